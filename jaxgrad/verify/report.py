@@ -1,0 +1,129 @@
+"""Reports of the verifier: a readable table for people, JSON for machines."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+from typing import Any
+
+import jax
+
+from jaxgrad.verify.diagnose import Diagnosis
+from jaxgrad.verify.precision import ErrorModel
+
+__all__ = ["Check", "LeafResult", "VJPReport", "environment"]
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions and the precision flags in force."""
+    dev = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "default_matmul_precision": str(jax.config.jax_default_matmul_precision),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafResult:
+    """How one gradient leaf compares with the float64 reference."""
+
+    name: str  # argument leaf, e.g. "args[1]['w']"
+    run: str  # "f64" for the float64 re-run, else the precision of the as-called run
+    shape: tuple[int, ...]
+    rel_err: float  # ||g - g*|| / ||g*||
+    max_abs_ratio: float  # max|g - g*| / max|g*|
+    cosine: float
+    normalized_err: float  # max_i |g_i - g*_i| / sum|terms_i|  -- the gated quantity
+    median_normalized_err: float
+    worst_index: tuple[int, ...]
+    bound: float
+    bound_source: str
+    n_terms: int
+    kappa: float  # ||sum|terms| || / ||g*||: the normwise condition number of this gradient
+    passed: bool
+    verdict: str
+    diagnosis: Diagnosis | None
+
+    @property
+    def diagnosis_kind(self) -> str | None:
+        return self.diagnosis.kind if self.diagnosis is not None else None
+
+
+def _fmt_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [line(header), "  " + "  ".join("-" * w for w in widths), *[line(r) for r in rows]]
+
+
+@dataclasses.dataclass(frozen=True)
+class VJPReport:
+    """The result of :func:`jaxgrad.verify.check_vjp`. ``passed`` is the verdict; ``str(report)`` the table."""
+
+    name: str
+    passed: bool
+    leaves: list[LeafResult]
+    checks: list[Check]
+    precision: ErrorModel
+    float64_status: str
+    notes: list[str]
+    environment: dict[str, Any]
+    seed: int
+
+    def leaf(self, name: str, run: str | None = None) -> LeafResult:
+        """The result for an argument leaf (by its name or a suffix of it, e.g. ``"[1]"``)."""
+        for lf in self.leaves:
+            if (lf.name == name or lf.name.endswith(name)) and (run is None or lf.run == run):
+                return lf
+        raise KeyError(f"no leaf {name!r} (run={run}) in report; leaves: {[lf.name for lf in self.leaves]}")
+
+    @property
+    def failures(self) -> list[LeafResult]:
+        return [lf for lf in self.leaves if not lf.passed]
+
+    def __str__(self) -> str:
+        env = self.environment
+        out = [f"check_vjp: {self.name}",
+               f"  environment: {env['device']} ({env['backend']}), jax {env['jax']}, "
+               f"default matmul precision {env['default_matmul_precision']}, seed {self.seed}",
+               f"  as called: precision {self.precision.precision} -- {self.precision.source}",
+               f"  float64 re-run: {self.float64_status}",
+               "  gradients vs the float64 reference (error per entry divided by its sum of |terms|):"]
+        rows = [[lf.name, "x".join(map(str, lf.shape)) or "()", lf.run, f"{lf.rel_err:.2e}", f"{lf.cosine:.6f}",
+                 f"{lf.normalized_err:.2e}", f"{lf.bound:.1e}", lf.verdict] for lf in self.leaves]
+        out += _fmt_table(["leaf", "shape", "run", "rel.err(norm)", "cosine", "max err/sum|t|", "bound", "verdict"],
+                          rows)
+        sources = sorted({f"{lf.run}: {lf.bound_source}" for lf in self.leaves})
+        out.append("  bounds: " + " | ".join(sources))
+        out.append("  checks:")
+        out += [f"    [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
+        if self.notes:
+            out.append("  notes:")
+            out += [f"    - {n}" for n in self.notes]
+        if self.passed:
+            out.append("  VERDICT: PASS -- every gradient matches the reference to rounding")
+        else:
+            bad = [f"{lf.name} ({lf.run})" for lf in self.failures] + [c.name for c in self.checks if not c.passed]
+            out.append("  VERDICT: FAIL -- " + ", ".join(bad))
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["precision"] = {"precision": self.precision.precision, "safety": self.precision.safety,
+                          "source": self.precision.source}
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), default=str, **kwargs)

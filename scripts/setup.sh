@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv at the repo root with a Python 3.12 found on this machine, and install jaxgrad[dev] into it.
+# JAX 0.11 needs Python >= 3.12; the system python3 may be older, so we look for one ourselves.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+is_312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 12) else 1)' 2>/dev/null; }
+
+find_python() {
+  local c
+  for c in "${JAXGRAD_PYTHON:-}" python3.12 python3.13 python3; do
+    [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && is_312 "$(command -v "$c")" && { command -v "$c"; return; }
+  done
+  local root="${PYENV_ROOT:-$HOME/.pyenv}"
+  command -v pyenv >/dev/null 2>&1 && root="$(pyenv root)"
+  for c in "$root"/versions/3.12*/bin/python3.12 "$root"/versions/3.13*/bin/python3.13 \
+           /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    [ -x "$c" ] && is_312 "$c" && { echo "$c"; return; }
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
+  PY="$(find_python)" || { echo "setup: no Python >= 3.12 found (tried PATH, pyenv, /usr/local/bin); set JAXGRAD_PYTHON=/path/to/python3.12" >&2; exit 1; }
+  echo "setup: creating .venv with $PY ($("$PY" --version))"
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import jax, jaxgrad; print('setup: jax', jax.__version__, 'on', jax.default_backend(), '| jaxgrad', jaxgrad.__version__)"

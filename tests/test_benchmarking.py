@@ -1,0 +1,141 @@
+"""Fast CPU tests of the benchmark harness (:mod:`jaxgrad.benchmarking`) and ``scripts/bench.py``."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxgrad import benchmarking as bm
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    fn = jax.jit(lambda x, y: (jnp.tanh(x) @ y, x.sum()))
+    return fn, (jnp.ones((8, 16), jnp.float32), jnp.ones((16, 4), jnp.float32))
+
+
+def test_time_fn_sane(tiny):
+    fn, args = tiny
+    t = bm.time_fn(fn, *args, warmup=1, repeats=5)
+    assert set(t) == {"median_ms", "p10_ms", "p90_ms", "min_ms", "repeats"}
+    assert t["repeats"] == 5
+    assert 0 < t["min_ms"] <= t["p10_ms"] <= t["median_ms"] <= t["p90_ms"] < 1e4
+    with pytest.raises(ValueError):
+        bm.time_fn(fn, *args, repeats=0)
+
+
+def test_memory_of_ints(tiny):
+    fn, args = tiny
+    mem = bm.memory_of(fn, *args)
+    for k in ("argument_bytes", "output_bytes", "temp_bytes", "total_bytes"):
+        assert isinstance(mem[k], int) and mem[k] >= 0, (k, mem)
+    assert mem["argument_bytes"] == (8 * 16 + 16 * 4) * 4
+    assert mem["output_bytes"] >= (8 * 4 + 1) * 4
+    assert mem["total_bytes"] == mem["argument_bytes"] + mem["output_bytes"] + mem["temp_bytes"]
+    assert "device_peak_bytes" in mem  # None on CPU, an int on GPU
+
+
+def test_compiled_memory_handles_missing_analysis():
+    class NoAnalysis:
+        def memory_analysis(self):
+            return None
+
+    mem = bm.compiled_memory(NoAnalysis())
+    assert mem["total_bytes"] is None and mem["temp_bytes"] is None
+
+
+def test_floor_ms_math():
+    f = bm.floor_ms(bytes_moved=1e9, device_kind="NVIDIA H200")
+    assert f["table_row"] == "H200" and f["bound"] == "memory"
+    assert math.isclose(f["memory_ms"], 1e9 / 4.8e12 * 1e3)
+    assert f["floor_ms"] == f["memory_ms"] and f["compute_ms"] is None
+
+    # Compute bound on H100 SXM: 1e15 bf16 FLOPs at 989e12 vs 1e9 B at 3.35e12 B/s.
+    f = bm.floor_ms(flops=1e15, bytes_moved=1e9, device_kind="NVIDIA H100 80GB HBM3", dtype="bf16")
+    assert f["table_row"] == "H100 SXM" and f["bound"] == "compute"
+    assert math.isclose(f["compute_ms"], 1e15 / 989e12 * 1e3)
+    assert math.isclose(f["memory_ms"], 1e9 / 3.35e12 * 1e3)
+    assert f["floor_ms"] == max(f["compute_ms"], f["memory_ms"])
+
+    h = "NVIDIA H100 80GB HBM3"
+    assert math.isclose(bm.floor_ms(1e12, device_kind=h, precision="tf32")["compute_ms"], 1e12 / 494.7e12 * 1e3)
+    assert math.isclose(bm.floor_ms(1e12, device_kind=h, precision="highest")["compute_ms"], 1e12 / 66.9e12 * 1e3)
+    assert math.isclose(
+        bm.floor_ms(1e12, device_kind=h, dtype=jnp.bfloat16, precision="elementwise")["compute_ms"],
+        1e12 / 66.9e12 * 1e3,
+    )
+    with pytest.raises(ValueError):
+        bm.floor_ms(1e12, device_kind=h, precision="bogus")
+
+
+def test_floor_ms_off_table():
+    for kind in ("cpu", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"):
+        f = bm.floor_ms(flops=1e9, bytes_moved=1e9, device_kind=kind)
+        assert f["floor_ms"] is None and f["table_row"] is None and f["bound"] is None
+
+
+def test_environment_keys():
+    env = bm.environment()
+    for k in ("device_kind", "platform", "device_count", "jax", "jaxlib", "python", "datetime_utc",
+              "matmul_precision", "hostname"):
+        assert k in env, k
+    assert env["jax"] == jax.__version__
+    json.dumps(env)
+
+
+def test_run_variants_and_write_results(tmp_path, tiny):
+    _, args = tiny
+    variants = {"a": lambda x, y: jnp.tanh(x) @ y, "b": lambda x, y: jnp.dot(jnp.tanh(x), y)}
+    rows = bm.run_variants("toy", variants, args, sizes={"m": 8}, flops=2 * 8 * 16 * 4, bytes_moved=1e3,
+                           warmup=1, repeats=3)
+    assert [r.variant for r in rows] == ["a", "b"]
+    assert all(r.median_ms > 0 and r.dtype == "f32" and r.compiled_bytes > 0 for r in rows)
+
+    broken = bm.run_variants("toy", {"bad": lambda x, y: x @ x}, args, sizes={}, repeats=1)
+    assert broken[0].median_ms is None and "error" in broken[0].notes
+    rows += broken
+
+    path = bm.write_results(rows, "toy", out_dir=tmp_path / "res")
+    assert path.parent == tmp_path / "res" and path.suffix == ".json"
+    assert path.name.startswith(f"toy-{bm.device_slug()}-")
+    data = json.loads(path.read_text())
+    assert set(data) == {"environment", "rows"}
+    assert data["environment"]["device_kind"] == jax.devices()[0].device_kind
+    assert data["rows"] == json.loads(json.dumps([r.to_dict() for r in rows]))
+    assert [bm.Row(**r) for r in data["rows"]] == rows  # round trip
+    txt = path.with_suffix(".txt").read_text()
+    assert txt.startswith("# device:") and "median_ms" in txt and "bad" in txt
+
+    again = bm.write_results(rows, "toy", out_dir=tmp_path / "res")  # same second: no overwrite
+    assert again != path and again.exists()
+
+
+def test_device_slug():
+    assert bm.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert bm.device_slug("cpu") == "cpu"
+
+
+def test_bench_script_swiglu_small(tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", "swiglu", "--sizes", "small", "--repeats", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out.glob("swiglu-*.json")
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    assert {r["variant"] for r in rows} == {"pallas", "xla", "jax.grad(reference)"}
+    assert {r["dtype"] for r in rows} == {"f32", "bf16"}
+    assert all(r["median_ms"] > 0 and r["sizes"]["shape"] == [64, 96] for r in rows)
+    assert all(r["bytes_moved"] == 8 * 64 * 96 * {"f32": 4, "bf16": 2}[r["dtype"]] for r in rows)
+    assert path.with_suffix(".txt").exists() and "jax.grad(reference)" in proc.stdout
