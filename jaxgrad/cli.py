@@ -58,7 +58,7 @@ def _audit_planted(args) -> int:
             continue
         dtype = case.dtype if hasattr(case, "dtype") else None
         fn_args = case.make_args(jax.random.key(args.seed), dtype or jax.numpy.float32)
-        rep = check_vjp(case.fn, case.reference, *fn_args, seed=args.seed, name=case.name)
+        rep = check_vjp(case.fn, case.reference, *fn_args, seed=args.seed, name=case.name, arg_names=case.arg_names)
         caught = not rep.passed
         ok = caught == case.buggy
         wrong += not ok

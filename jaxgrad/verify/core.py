@@ -24,7 +24,7 @@ Procedure (each step is what the report shows):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -49,12 +49,15 @@ class VJPUnavailableError(TypeError):
 # ---------------------------------------------------------------------------------------------------------------
 # Input validation
 # ---------------------------------------------------------------------------------------------------------------
-def _leaf_names(args) -> list[str]:
+def _leaf_names(args, arg_names=None) -> list[str]:
+    """``x``, ``params['w']`` (with ``arg_names``) or ``args[0]``, ``args[1]['w']`` (without)."""
+    if arg_names is not None and len(arg_names) != len(args):
+        raise ValueError(f"check_vjp: 'arg_names' names {len(arg_names)} arguments but {len(args)} were passed")
     paths, _ = jax.tree_util.tree_flatten_with_path(args)
     names = []
     for path, _ in paths:
-        # path[0] is the positional index of the argument
-        head = f"args[{path[0].idx}]" if hasattr(path[0], "idx") else jax.tree_util.keystr(path[:1])
+        i = path[0].idx  # the positional index of the argument
+        head = arg_names[i] if arg_names is not None else f"args[{i}]"
         names.append(head + jax.tree_util.keystr(path[1:]))
     return names
 
@@ -124,6 +127,14 @@ def _white_noise_like(tree, key, dtype=None):
     return jax.tree.unflatten(treedef, out)
 
 
+def _fill_low_bits(tree, key):
+    """x * (1 + 2^-26 xi): the same point to f32 precision, with the mantissa bits below f32 populated."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    return jax.tree.unflatten(treedef, [x * (1 + 2.0**-26 * jax.random.normal(k, x.shape, x.dtype))
+                                        for k, x in zip(keys, leaves)])
+
+
 def _to64(tree):
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), tree)
 
@@ -163,7 +174,7 @@ def _leaf_result(name, run, g, r, m, model: prec.ErrorModel, n_terms: int) -> Le
     worst_idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(ne)), ne.shape)) if ne.size else ()
     return LeafResult(name=name, run=run, shape=tuple(g.shape), rel_err=rel, max_abs_ratio=maxabs, cosine=cos,
                       normalized_err=worst, median_normalized_err=float(np.median(ne)) if ne.size else 0.0,
-                      worst_index=worst_idx, bound=bound, bound_source=model.formula(n_terms), n_terms=n_terms,
+                      worst_index=worst_idx, bound=bound, bound_source=model.formula(), n_terms=n_terms,
                       kappa=float(np.linalg.norm(m)) / rn if rn > 0 else math.inf, passed=passed, verdict=verdict, diagnosis=diag)
 
 
@@ -204,6 +215,7 @@ def check_vjp(
     adjoint: bool = True,
     structural: bool = True,
     name: str | None = None,
+    arg_names: Sequence[str] | None = None,
 ) -> VJPReport:
     """Verify ``fn``'s VJP against ``reference`` (plain JAX computing the same forward).
 
@@ -221,13 +233,14 @@ def check_vjp(
       adjoint: the dot-product test ``<J t, c> = <t, J^T c>``.
       structural: zero / repeat / homogeneity / dtype checks of the VJP.
       name: label for the report.
+      arg_names: names of the positional arguments for the report (default ``args[0]``, ``args[1]``, ...).
 
     Returns:
       A :class:`~jaxgrad.verify.report.VJPReport`; ``report.passed`` is the verdict, ``print(report)`` the table.
     """
     _validate_args(fn, reference, args)
     label = name or f"{getattr(fn, '__name__', 'fn')} vs {getattr(reference, '__name__', 'reference')}"
-    names = _leaf_names(args)
+    names = _leaf_names(args, arg_names)
     arg_leaves = jax.tree.leaves(args)
     key_ct, key_dir, key_adj = jax.random.split(jax.random.key(seed), 3)
 
@@ -285,15 +298,23 @@ def check_vjp(
             leaves_out.append(_leaf_result(nm, model_lo.precision, g_lo[i], ref_g[i], m_g[i], model_lo, n_g[i]))
 
         # 3. float64 re-run
+        # Run at a point whose values fill all 53 bits: bf16/f32-representable inputs make the products of a
+        # low-precision kernel exact, which would pass its forward off as float64 while its backward is not.
         fn64_ok, grads64, f64_reason = False, None, "disabled (float64=False)"
         if float64:
+            key_e1, key_e2 = jax.random.split(jax.random.fold_in(key_adj, 1))
+            args64e, ct64e = _fill_low_bits(args64, key_e1), _fill_low_bits(ct64, key_e2)
+            ref_y_e, ref_g_e, _ = _vjp(reference, "reference", args64e, ct64e)
+            ref_g_e = [np.asarray(g, np.float64) for g in jax.tree.leaves(ref_g_e)]
             try:
-                out64, grads64_tree, _ = _vjp(fn, "fn", args64, ct64)
+                out64, grads64_tree, _ = _vjp(fn, "fn", args64e, ct64e)
                 out64_leaves = jax.tree.leaves(out64)
                 if any(jnp.result_type(y) != jnp.float64 for y in out64_leaves):
                     f64_reason = "fn returns lower precision for float64 inputs"
                 else:
-                    e64 = forward_error([np.asarray(y, np.float64) for y in out64_leaves])
+                    e64 = max((float(np.max(_normalized_error(np.asarray(y, np.float64), np.asarray(r), m),
+                                            initial=0.0))
+                               for y, r, m in zip(out64_leaves, jax.tree.leaves(ref_y_e), m_y)), default=0.0)
                     model64 = prec.f64_model(safety)
                     if e64 <= model64.bound(max(n_y, default=0)):
                         fn64_ok, grads64 = True, [np.asarray(g, np.float64) for g in jax.tree.leaves(grads64_tree)]
@@ -306,13 +327,17 @@ def check_vjp(
         if fn64_ok:
             model64 = prec.f64_model(safety)
             for i, nm in enumerate(names):
-                leaves_out.append(_leaf_result(nm, "f64", grads64[i], ref_g[i], m_g[i], model64, n_g[i]))
+                leaves_out.append(_leaf_result(nm, "f64", grads64[i], ref_g_e[i], m_g[i], model64, n_g[i]))
+
+        # The float64 checks below run where the tested gradients were computed: the low-bit-filled point for the
+        # float64 re-run, the caller's point for the as-called run.
+        pt_args, pt_ct, pt_ref_g = (args64e, ct64e, ref_g_e) if fn64_ok else (args64, ct64, ref_g)
 
         # 4a. finite differences
         fd_fn = fn if fn64_ok else reference
         fd_on = "fn's float64 forward" if fn64_ok else "the reference's float64 forward"
         if fd:
-            ct64_leaves = jax.tree.leaves(ct64)
+            ct64_leaves = jax.tree.leaves(pt_ct)
 
             @jax.jit
             def loss(*a):
@@ -329,9 +354,9 @@ def check_vjp(
                     v = jax.random.normal(keys[i, d], np.shape(arg_leaves[i]), jnp.float64)
                     vn = np.asarray(v)
                     scale = float(np.sum(m_g[i] * np.abs(vn))) or 1.0
-                    fds = _directional_fd(loss, args64, i, v, FD_STEPS)
+                    fds = _directional_fd(loss, pt_args, i, v, FD_STEPS)
                     exact_fn = float(np.vdot(tested.ravel(), vn.ravel()))
-                    exact_ref = float(np.vdot(ref_g[i].ravel(), vn.ravel()))
+                    exact_ref = float(np.vdot(pt_ref_g[i].ravel(), vn.ravel()))
                     errs = [(abs(dv - exact_fn) / scale, h) for h, dv in fds]
                     e_fn, h_fn = min(errs)
                     e_ref = min(abs(dv - exact_ref) / scale for _, dv in fds)
@@ -348,14 +373,14 @@ def check_vjp(
 
         # 4b. adjoint (dot-product) test
         if adjoint:
-            t = _white_noise_like(args64, key_adj, jnp.float64)
+            t = _white_noise_like(pt_args, key_adj, jnp.float64)
             try:
-                _, jt = jax.jvp(fn, tuple(args64), tuple(t))
+                _, jt = jax.jvp(fn, tuple(pt_args), tuple(t))
                 jvp_src = "fn's own JVP"
             except Exception:
-                _, jt = jax.jvp(reference, tuple(args64), tuple(t))
+                _, jt = jax.jvp(reference, tuple(pt_args), tuple(t))
                 jvp_src = "the reference's JVP (fn has no forward mode)"
-            lhs = sum(float(jnp.vdot(c, y)) for c, y in zip(jax.tree.leaves(ct64), jax.tree.leaves(jt)))
+            lhs = sum(float(jnp.vdot(c, y)) for c, y in zip(jax.tree.leaves(pt_ct), jax.tree.leaves(jt)))
             tested = grads64 if fn64_ok else g_lo
             t_leaves = [np.asarray(x) for x in jax.tree.leaves(t)]
             rhs = sum(float(np.vdot(tl.ravel(), g.ravel())) for tl, g in zip(t_leaves, tested))

@@ -82,10 +82,12 @@ def _candidates(r: np.ndarray, m: np.ndarray, shape: tuple[int, ...]):
     for a in axes:
         for s in (1, -1):
             rs, ms = np.roll(r, s, axis=a), np.roll(m, s, axis=a)
+            yield "shift", f"a circular shift by {s:+d} along axis {a}", rs, ms
+            rs = rs.copy()
             idx = [slice(None)] * nd
             idx[a] = slice(0, 1) if s == 1 else slice(-1, None)
             rs[tuple(idx)] = 0.0
-            yield "shift", f"a shift by {s:+d} along axis {a}", rs, ms
+            yield "shift", f"a shift by {s:+d} along axis {a} (zero fill: a padding offset)", rs, ms
 
 
 def diagnose(g: np.ndarray, r: np.ndarray, m: np.ndarray, bound: float) -> Diagnosis:

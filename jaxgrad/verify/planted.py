@@ -266,7 +266,8 @@ def _spline_bases(x: jax.Array, t: jax.Array, p: int) -> jax.Array:
     .. math::
 
         B_i^0(x) = [t_i \le x < t_{i+1}], \qquad
-        B_i^q(x) = \frac{x - t_i}{t_{i+q} - t_i} B_i^{q-1}(x) + \frac{t_{i+q+1} - x}{t_{i+q+1} - t_{i+1}} B_{i+1}^{q-1}(x)
+        B_i^q(x) = \frac{x - t_i}{t_{i+q} - t_i} B_i^{q-1}(x)
+            + \frac{t_{i+q+1} - x}{t_{i+q+1} - t_{i+1}} B_{i+1}^{q-1}(x)
     """
     xc = x[:, None]
     bases = ((xc >= t[:-1]) & (xc < t[1:])).astype(x.dtype)

@@ -57,11 +57,10 @@ class ErrorModel:
         b = self.safety * (self.u_op + self.u_acc * math.sqrt(max(int(n_terms), 1)))
         return max(b, F64_FLOOR) if self.precision == "f64" else b
 
-    def formula(self, n_terms: int) -> str:
+    def formula(self) -> str:
         if self.precision == "f64":
-            return f"f64 re-run: max({self.safety:g}(u64+u64*sqrt(N)), 1e-10), N={n_terms}"
-        return (f"{self.safety:g}*(u_{self.precision}+u_f32*sqrt(N)), u_{self.precision}="
-                f"2^{round(math.log2(self.u_op))}, N={n_terms}")
+            return f"max({self.safety:g}*2^-53*(1+sqrt(N)), 1e-10)"
+        return f"{self.safety:g}*(2^{round(math.log2(self.u_op))} + 2^-24*sqrt(N))"
 
 
 def dtype_precision(dtype) -> str:

@@ -102,11 +102,18 @@ class VJPReport:
                f"  float64 re-run: {self.float64_status}",
                "  gradients vs the float64 reference (error per entry divided by its sum of |terms|):"]
         rows = [[lf.name, "x".join(map(str, lf.shape)) or "()", lf.run, f"{lf.rel_err:.2e}", f"{lf.cosine:.6f}",
-                 f"{lf.normalized_err:.2e}", f"{lf.bound:.1e}", lf.verdict] for lf in self.leaves]
-        out += _fmt_table(["leaf", "shape", "run", "rel.err(norm)", "cosine", "max err/sum|t|", "bound", "verdict"],
-                          rows)
-        sources = sorted({f"{lf.run}: {lf.bound_source}" for lf in self.leaves})
-        out.append("  bounds: " + " | ".join(sources))
+                 f"{lf.normalized_err:.2e}", str(lf.n_terms), f"{lf.bound:.1e}",
+                 "matches to rounding" if lf.passed else f"BUG ({lf.normalized_err / lf.bound:.1e}x bound)"]
+                for lf in self.leaves]
+        out += _fmt_table(["leaf", "shape", "run", "rel.err(norm)", "cosine", "max err/sum|t|", "N", "bound",
+                           "verdict"], rows)
+        sources = {lf.run: lf.bound_source for lf in self.leaves}
+        out.append("  bound = " + "; ".join(f"{run} run: {src}" for run, src in sources.items())
+                   + "  (N: longest accumulation behind the gradient)")
+        if self.failures:
+            out.append("  diagnosis:")
+            out += [f"    - {lf.name} ({lf.run}): {lf.diagnosis.message if lf.diagnosis else lf.verdict}"
+                    for lf in self.failures]
         out.append("  checks:")
         out += [f"    [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
         if self.notes:
