@@ -1,0 +1,116 @@
+r"""B-splines as pykan / efficient-kan / jaxKAN define them: grids, Cox-de Boor bases, their derivative, and the
+least-squares fit of coefficients to curves.
+
+Grid. ``G = grid_size`` intervals on ``grid_range = (a, b)``, :math:`h = (b - a)/G`, extended by ``k`` knots on each
+side: :math:`t_j = a + (j - k) h`, :math:`j = 0 \dots G + 2k`, one row of ``G + 2k + 1`` knots per input feature
+(``grid[in, G+2k+1]``). After a grid update the rows are no longer uniform; everything here works on any
+non-decreasing knot row.
+
+Bases (Cox-de Boor, ``k = spline_order`` is the *degree*; cubic is 3), ``G + k`` of them per input:
+
+.. math::
+
+    B^0_j(x) &= [t_j \le x < t_{j+1}] \\
+    B^p_j(x) &= \frac{x - t_j}{t_{j+p} - t_j} B^{p-1}_j(x) + \frac{t_{j+p+1} - x}{t_{j+p+1} - t_{j+1}} B^{p-1}_{j+1}(x)
+
+Derivative (the factor :math:`p` and the minus sign are the ones a public JAX KAN got wrong):
+
+.. math::
+
+    \frac{d}{dx} B^p_j(x) = p \left[ \frac{B^{p-1}_j(x)}{t_{j+p} - t_j} - \frac{B^{p-1}_{j+1}(x)}{t_{j+p+1} - t_{j+1}} \right]
+
+Outside :math:`[t_0, t_{G+2k})` every basis is exactly zero (compact support), so the spline part of a KAN layer
+fades to zero over one band of ``k`` intervals beyond ``grid_range`` and contributes nothing further out -- as in
+pykan and efficient-kan. A zero-width knot interval (coincident knots after an update) contributes zero instead of
+dividing by zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["bspline_basis", "bspline_basis_derivative", "curve_to_coefficients", "make_grid", "spline_order_of"]
+
+
+def make_grid(in_features: int, grid_size: int, spline_order: int, grid_range=(-1.0, 1.0),
+              dtype=jnp.float32) -> jax.Array:
+    """Uniform extended grid ``[in_features, grid_size + 2*spline_order + 1]`` (efficient-kan's ``grid`` buffer)."""
+    lo, hi = float(grid_range[0]), float(grid_range[1])
+    if not lo < hi:
+        raise ValueError(f"grid_range must satisfy lo < hi, got {tuple(grid_range)}")
+    if int(grid_size) < 1:
+        raise ValueError(f"grid_size must be >= 1, got {grid_size}")
+    if not 1 <= int(spline_order) <= 5:
+        raise ValueError(f"spline_order must be in 1..5, got {spline_order}")
+    h = (hi - lo) / grid_size
+    knots = lo + jnp.arange(-spline_order, grid_size + spline_order + 1, dtype=dtype) * jnp.asarray(h, dtype)
+    return jnp.broadcast_to(knots, (in_features, knots.shape[0]))
+
+
+def spline_order_of(grid: jax.Array, num_bases: int) -> int:
+    """``k`` from shapes: a grid row has ``G + 2k + 1`` knots and there are ``G + k`` bases, so ``k = knots - bases - 1``."""
+    k = grid.shape[-1] - num_bases - 1
+    if not 1 <= k <= 5:
+        raise ValueError(f"grid has {grid.shape[-1]} knots per input and spline_weight {num_bases} bases: that implies "
+                         f"spline_order {k}, outside 1..5")
+    return k
+
+
+def _safe_div(num, den):
+    return jnp.where(den == 0, 0.0, num / jnp.where(den == 0, 1.0, den))
+
+
+def _bases_of_degree(x, grid, degree):
+    """All ``G + 2k - degree`` bases of ``degree`` at ``x[..., in]``: ``[..., in, G + 2k - degree]``."""
+    xe = x[..., None]
+    t = grid
+    b = ((xe >= t[:, :-1]) & (xe < t[:, 1:])).astype(x.dtype)
+    for p in range(1, degree + 1):
+        left = _safe_div(xe - t[:, : -(p + 1)], t[:, p:-1] - t[:, : -(p + 1)]) * b[..., :-1]
+        right = _safe_div(t[:, p + 1:] - xe, t[:, p + 1:] - t[:, 1:-p]) * b[..., 1:]
+        b = left + right
+    return b
+
+
+def bspline_basis(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
+    """Cox-de Boor bases ``B_m(x)``: ``x[..., in]``, ``grid[in, G+2k+1]`` -> ``[..., in, G+k]`` (efficient-kan's
+    ``b_splines``)."""
+    return _bases_of_degree(x, grid.astype(x.dtype), spline_order)
+
+
+def bspline_basis_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
+    """``dB_m/dx`` by the equation in the module docstring: ``[..., in, G+k]``."""
+    k = spline_order
+    t = grid.astype(x.dtype)
+    lower = _bases_of_degree(x, t, k - 1)  # [..., in, G+k+1]
+    return k * (_safe_div(lower[..., :-1], t[:, k:-1] - t[:, : -(k + 1)])
+                - _safe_div(lower[..., 1:], t[:, k + 1:] - t[:, 1:-k]))
+
+
+def curve_to_coefficients(x: jax.Array, y: jax.Array, grid: jax.Array, spline_order: int,
+                          ridge: float = 0.0) -> jax.Array:
+    """Least-squares spline coefficients reproducing curves ``y`` at samples ``x``.
+
+    Solves, independently for every input feature ``i``, :math:`\\min_c \\|B_i c - y_i\\|^2 + \\text{ridge}\\|c\\|^2`
+    with ``B_i = bspline_basis(x)[:, i, :]`` (``[n, G+k]``). The SVD-based ``lstsq`` returns the minimum-norm
+    solution, so bases without samples (rank deficiency, where pykan's lstsq fails and jaxKAN's normal equations
+    are singular) get coefficient 0 instead of an error.
+
+    Args:
+      x: ``[n, in]`` samples.
+      y: ``[n, in, out]`` curve values.
+      grid: ``[in, G+2k+1]``.
+    Returns:
+      ``[out, in, G+k]`` coefficients (efficient-kan's ``spline_weight`` layout).
+    """
+    a = bspline_basis(x, grid, spline_order)  # [n, in, G+k]
+    a = jnp.moveaxis(a, 1, 0)  # [in, n, G+k]
+    b = jnp.moveaxis(y, 1, 0)  # [in, n, out]
+    if ridge > 0:
+        nb = a.shape[-1]
+        eye = jnp.sqrt(ridge) * jnp.eye(nb, dtype=a.dtype)
+        a = jnp.concatenate([a, jnp.broadcast_to(eye, (a.shape[0], nb, nb))], axis=1)
+        b = jnp.concatenate([b, jnp.zeros((b.shape[0], nb, b.shape[-1]), b.dtype)], axis=1)
+    coef = jax.vmap(lambda ai, bi: jnp.linalg.lstsq(ai, bi)[0])(a, b)  # [in, G+k, out]
+    return jnp.transpose(coef, (2, 0, 1))
