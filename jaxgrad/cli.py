@@ -26,7 +26,8 @@ def _audit_ops(args) -> int:
     results, summary = [], []
     for case in cases:
         t0 = time.perf_counter()
-        rep = audit(case.fn, case.reference, case.make_args, case.sizes, name=case.name, seed=args.seed)
+        rep = audit(case.fn, case.reference, case.make_args, case.sizes, name=case.name, seed=args.seed,
+                    arg_names=case.arg_names)
         dt = time.perf_counter() - t0
         print(rep)
         if args.verbose:

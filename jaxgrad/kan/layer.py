@@ -24,14 +24,17 @@ with :math:`\Phi(x)[b, (i, m)] = B_m(x_{bi})` the ``G + k`` B-spline bases of in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
-from jaxgrad.kan.spline import bspline_basis, curve_to_coefficients, make_grid, spline_order_of
+from jaxgrad.kan.spline import (bspline_basis, bspline_basis_derivative, curve_to_coefficients, make_grid,
+                                spline_order_of)
 
-__all__ = ["KANConfig", "check_params", "init", "kan_linear_reference", "spline_order", "trainable_mask"]
+__all__ = ["KANConfig", "check_params", "init", "kan_linear", "kan_linear_reference", "spline_order", "trainable_mask"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,3 +143,189 @@ def kan_linear_reference(params: dict[str, jax.Array], x: jax.Array, precision=N
     if "bias" in params:
         y = y + params["bias"]
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layer with a hand-written VJP
+# ---------------------------------------------------------------------------------------------------------------
+_TRAINABLE = ("base_weight", "spline_weight", "spline_scaler", "bias")
+_BACKENDS = ("xla", "pallas", "reference")
+
+
+def _compute_dtype(*dtypes) -> jnp.dtype:
+    """Arithmetic dtype: ``promote_types(dtype, float32)`` -- f32 for bf16/f16/f32, f64 for f64 (the verifier)."""
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+def _silu_and_slope(x):
+    r""":math:`\operatorname{silu}(x) = x\sigma(x)` and :math:`\operatorname{silu}'(x) = \sigma(x)(1 + x(1-\sigma(x)))`."""
+    s = jax.nn.sigmoid(x)
+    return x * s, s * (1 + x * (1 - s))
+
+
+def _coef(p):
+    """``C[o, i, m] = spline_weight[o, i, m] * spline_scaler[o, i]``."""
+    return p["spline_weight"] * p["spline_scaler"][..., None]
+
+
+def _forward_math(p, x, k, backend, precision, interpret):
+    """``y[N, out]`` from ``x[N, in]``; every array already in the compute dtype."""
+    out_f, in_f = p["base_weight"].shape
+    silu, _ = _silu_and_slope(x)
+    y = jnp.matmul(silu, p["base_weight"].T, precision=precision)
+    coef = _coef(p)
+    if backend == "pallas":
+        from jaxgrad.kan import kernels  # lazy: the kernels module is optional for the XLA path
+
+        spline = kernels.kan_spline_forward(x, p["grid"], coef, k, precision=precision, interpret=interpret)
+        y = y + spline.astype(y.dtype)
+    else:
+        phi = bspline_basis(x, p["grid"], k).reshape(x.shape[0], -1)  # [N, in*(G+k)]
+        y = y + jnp.matmul(phi, coef.reshape(out_f, -1).T, precision=precision)
+    if "bias" in p:
+        y = y + p["bias"]
+    return y
+
+
+def _backward_math(p, x, g, k, backend, precision, interpret):
+    """The VJP of :func:`_forward_math` written out (module section "Backward"); plain ``jnp`` on the XLA
+    backend, so it is itself differentiable (reverse-over-reverse, forward-over-reverse)."""
+    out_f, in_f = p["base_weight"].shape
+    n = x.shape[0]
+    silu, dsilu = _silu_and_slope(x)
+    coef = _coef(p)
+    nb = coef.shape[-1]
+    if backend == "pallas":
+        from jaxgrad.kan import kernels
+
+        dx_spline, dcoef = kernels.kan_spline_backward(x, p["grid"], coef, g, k, precision=precision,
+                                                       interpret=interpret)
+        dx_spline, dcoef = dx_spline.astype(x.dtype), dcoef.astype(x.dtype)
+    else:
+        phi = bspline_basis(x, p["grid"], k)  # recomputed here, never a residual
+        dphi = bspline_basis_derivative(x, p["grid"], k)  # B'_m(x_bi)
+        # dC[o,i,m] = sum_b g[b,o] B_m(x_bi)
+        dcoef = jnp.matmul(g.T, phi.reshape(n, -1), precision=precision).reshape(out_f, in_f, nb)
+        # sum_o g[b,o] sum_m C[o,i,m] B'_m(x_bi)
+        gc = jnp.matmul(g, coef.reshape(out_f, -1), precision=precision).reshape(n, in_f, nb)
+        dx_spline = jnp.sum(gc * dphi, axis=-1)
+    grads = {
+        "spline_weight": dcoef * p["spline_scaler"][..., None],
+        "spline_scaler": jnp.sum(dcoef * p["spline_weight"], axis=-1),
+        "base_weight": jnp.matmul(g.T, silu, precision=precision),
+    }
+    if "bias" in p:
+        grads["bias"] = jnp.sum(g, axis=0)
+    dx = jnp.matmul(g, p["base_weight"], precision=precision) * dsilu + dx_spline
+    return grads, dx
+
+
+def _to_compute(p, x, cdt):
+    return {name: v.astype(cdt) for name, v in p.items()}, x.astype(cdt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _kan_linear_vjp(p, x, k, backend, precision, interpret):
+    return _kan_linear_fwd(p, x, k, backend, precision, interpret)[0]
+
+
+def _kan_linear_fwd(p, x, k, backend, precision, interpret):
+    out_dtype = jnp.result_type(x, *(p[n] for n in _TRAINABLE if n in p))
+    cdt = _compute_dtype(out_dtype)
+    pc, xc = _to_compute(p, x, cdt)
+    y = _forward_math(pc, xc, k, backend, precision, interpret).astype(out_dtype)
+    return y, (p, x)  # residuals: the inputs only; bases are recomputed in the backward
+
+
+def _kan_linear_bwd(k, backend, precision, interpret, res, g):
+    p, x = res
+    cdt = _compute_dtype(x.dtype, g.dtype, *(p[n].dtype for n in _TRAINABLE if n in p))
+    pc, xc = _to_compute(p, x, cdt)
+    grads, dx = _backward_math(pc, xc, g.astype(cdt), k, backend, precision, interpret)
+    cot = {name: grads[name].astype(p[name].dtype) for name in grads}
+    cot["grid"] = jnp.zeros_like(p["grid"])  # the grid is not trained: stop_gradient
+    return cot, dx.astype(x.dtype)
+
+
+_kan_linear_vjp.defvjp(_kan_linear_fwd, _kan_linear_bwd)
+
+
+def _validate(params, x, backend):
+    if backend not in _BACKENDS:
+        raise ValueError(f"kan_linear: backend must be one of {_BACKENDS}, got {backend!r}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"kan_linear: 'params' must be a dict of arrays (see layer.init), got {type(params).__name__}")
+    for name in ("base_weight", "spline_weight", "spline_scaler", "grid", "bias"):
+        if name in params and not jnp.issubdtype(jnp.result_type(params[name]), jnp.floating):
+            raise TypeError(f"KAN params: '{name}' must be floating point, got {jnp.result_type(params[name])}")
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"kan_linear: input 'x' must be an array, got {type(x).__name__}")
+    return check_params(params, x)
+
+
+def kan_linear(params: Mapping[str, jax.Array], x: jax.Array, *, backend: str = "xla", precision=None,
+               interpret: bool | None = None) -> jax.Array:
+    r"""KAN layer ``x[..., in] -> [..., out]`` with a hand-written VJP (same forward as :func:`kan_linear_reference`).
+
+    Forward, with :math:`\Phi_{bim} = B_m(x_{bi})` the ``G + k`` bases of input ``i`` and
+    :math:`C_{oim} = \text{spline\_weight}_{oim}\,\text{spline\_scaler}_{oi}`:
+
+    .. math::
+
+        y_{bo} = \sum_i W^b_{oi}\operatorname{silu}(x_{bi}) + \sum_{i,m} C_{oim}\,B_m(x_{bi}) \;(+\, \text{bias}_o)
+
+    Backward (``g`` the output cotangent; :math:`B'_m` from
+    :func:`~jaxgrad.kan.spline.bspline_basis_derivative`):
+
+    .. math::
+
+        \bar C_{oim} &= \textstyle\sum_b g_{bo}\, B_m(x_{bi}) \\
+        \overline{\text{spline\_weight}}_{oim} &= \bar C_{oim}\, \text{spline\_scaler}_{oi}, \qquad
+        \overline{\text{spline\_scaler}}_{oi} = \textstyle\sum_m \bar C_{oim}\, \text{spline\_weight}_{oim} \\
+        \overline{W^b} &= g^\top \operatorname{silu}(x), \qquad \overline{\text{bias}} = \textstyle\sum_b g_{b\cdot} \\
+        \bar x_{bi} &= \textstyle\sum_o g_{bo}\Bigl(W^b_{oi}\operatorname{silu}'(x_{bi})
+                       + \sum_m C_{oim}\, B'_m(x_{bi})\Bigr), \qquad
+        \operatorname{silu}'(x) = \sigma(x)\bigl(1 + x(1 - \sigma(x))\bigr) \\
+        \overline{\text{grid}} &= 0 \quad(\text{not trained; the reference applies } \texttt{stop\_gradient})
+
+    The residuals are ``x`` and ``params`` only: the ``[B, in, G+k]`` basis (what autodiff would tape) is
+    recomputed in the backward. Leading dimensions of ``x`` are flattened to one batch axis ``B``. Arithmetic runs in
+    ``promote_types(dtype, float32)`` (f32 for bf16/f16/f32 inputs, f64 under ``jax.enable_x64``); the output has
+    the dtype the reference would return (``result_type`` of ``x`` and the trained params) and every cotangent its
+    primal's dtype.
+
+    Higher derivatives (physics-informed losses):
+
+    * ``backend="xla"``: the backward above is plain differentiable ``jnp``, so **reverse-over-reverse** works
+      (``jax.grad`` of a loss built from ``jax.grad``/``jax.vjp`` w.r.t. ``x``, e.g. a PDE residual with
+      :math:`u''`), and so does **forward-over-reverse** (``jax.hessian`` = ``jacfwd(jacrev(.))``, or
+      ``jax.jvp`` of a ``jax.grad``). Forward mode applied *directly* to the layer (``jax.jvp``, ``jax.jacfwd``,
+      ``jax.linearize`` of ``kan_linear`` itself) is refused by JAX for any ``custom_vjp``.
+    * ``backend="reference"``: the same forward equations in plain JAX without a custom rule, differentiated by
+      JAX autodiff: every transformation works (``jvp``, ``jacfwd``, any order), at autodiff's memory cost (the
+      basis is taped). Use it for forward-mode derivatives.
+    * ``backend="pallas"``: first-order reverse mode only (the Pallas kernels have no derivative rules).
+
+    Args:
+      params: a layer dict from :func:`init` (``base_weight``, ``spline_weight``, ``spline_scaler``, ``grid``,
+        optional ``bias``); ``spline_order`` follows from the shapes.
+      x: ``[..., in_features]`` floating array (bf16, f16, f32 or f64).
+      backend: ``"xla"`` (custom VJP in jnp), ``"pallas"`` (custom VJP; the spline part of forward and backward in
+        the fused kernels of :mod:`jaxgrad.kan.kernels`, the base/scaler chain rule in XLA) or ``"reference"``
+        (no custom rule).
+      precision: ``jax.lax.Precision`` of the matmuls (and passed to the kernels).
+      interpret: Pallas interpret mode (``None``: on unless running on a GPU); ignored by the other backends.
+    """
+    k = _validate(params, x, backend)
+    p = {name: params[name] for name in ("base_weight", "spline_weight", "spline_scaler", "grid", "bias")
+         if name in params}
+    out_f, in_f = p["base_weight"].shape
+    lead = x.shape[:-1]
+    if backend == "reference" or x.size == 0:
+        p = {**p, "grid": jax.lax.stop_gradient(p["grid"])}
+        out_dtype = jnp.result_type(x, *(p[n] for n in _TRAINABLE if n in p))
+        pc, xc = _to_compute(p, x.reshape(-1, in_f), _compute_dtype(out_dtype))
+        y = _forward_math(pc, xc, k, "xla", precision, None).astype(out_dtype)
+    else:
+        y = _kan_linear_vjp(p, x.reshape(-1, in_f), k, backend, precision, interpret)
+    return y.reshape(*lead, out_f)

@@ -14,6 +14,7 @@ class OpAudit:
     reference: Callable[..., Any]
     make_args: Callable[[Any, Any], tuple]  # (key, size) -> args: white noise, asymmetric shapes
     sizes: Sequence[Any]
+    arg_names: tuple[str, ...] | None = None
 
 
 def all_audit_cases() -> tuple[OpAudit, ...]:

@@ -182,6 +182,7 @@ def audit_cases():
 
     sizes = ((7, 129), (33, 257), (129, 1031))
     return tuple(
-        OpAudit(f"swiglu[{b}]", functools.partial(swiglu, backend=b), swiglu_reference, make_args, sizes)
+        OpAudit(f"swiglu[{b}]", functools.partial(swiglu, backend=b), swiglu_reference, make_args, sizes,
+                arg_names=("gate", "up"))
         for b in ("pallas", "xla")
     )
