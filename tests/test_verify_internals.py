@@ -105,3 +105,21 @@ class TestDiagnosis:
         other = np.asarray(jax.random.normal(jax.random.key(8), self.r.shape), np.float64)
         d = diagnose(self.r + 0.5 * other, self.r, self.m, bound=1e-10)
         assert d.kind is None and "missing, extra or wrong term" in d.message
+
+
+def test_gpu_default_precision_is_assumed_tf32_for_f32_arrays():
+    tf32 = ("tf32", "JAX's default f32 matmul/conv precision on GPU is TF32")
+    model, ok = model_for([jnp.float32], forward_error=1e-7, forward_terms=64, safety=8, platform=tf32)
+    assert ok and model.precision == "tf32" and "TF32" in model.source
+
+
+def test_platform_precision_is_read_where_fn_ran_not_inside_the_verifier(monkeypatch):
+    # check_vjp forces HIGHEST for its float64 oracle; the as-called model must not see that setting.
+    from jaxgrad.verify import check_vjp, precision
+
+    seen = []
+    real = precision.platform_precision
+    monkeypatch.setattr(precision, "platform_precision",
+                        lambda: seen.append(str(jax.config.jax_default_matmul_precision)) or real())
+    check_vjp(jnp.sin, jnp.sin, jnp.linspace(0.1, 1.0, 5), fd=False, adjoint=False, structural=False)
+    assert seen and all(s != "highest" for s in seen)

@@ -254,8 +254,9 @@ def check_vjp(
         raise ValueError("check_vjp: 'cotangent' must have fn's output structure and shapes "
                          f"({jax.tree.map(lambda o: o.shape, out)})")
 
-    # 2. fn as called
+    # 2. fn as called (and the matmul precision it ran under, before the verifier forces HIGHEST below)
     out_lo, grads_lo, pullback_lo = _vjp(fn, "fn", args, cotangent)
+    platform = prec.platform_precision()
     checks: list[Check] = []
     notes: list[str] = []
 
@@ -286,7 +287,8 @@ def check_vjp(
         # precision of the as-called run
         fwd_err_lo = forward_error([_np64(y) for y in jax.tree.leaves(out_lo)])
         dtypes = [jnp.result_type(x) for x in arg_leaves] + [jnp.result_type(y) for y in jax.tree.leaves(out_lo)]
-        model_lo, forward_ok = prec.model_for(dtypes, fwd_err_lo, max(n_y, default=0), safety, precision)
+        model_lo, forward_ok = prec.model_for(dtypes, fwd_err_lo, max(n_y, default=0), safety, precision,
+                                              platform)
         checks.append(Check("forward (as called)", forward_ok,
                             f"max |y - y64|/sum|terms| = {fwd_err_lo:.2e} (bound {model_lo.bound(max(n_y, default=0)):.1e}"
                             f", {model_lo.precision})"

@@ -92,12 +92,15 @@ def f64_model(safety: float) -> ErrorModel:
 
 
 def model_for(dtypes, forward_error: float, forward_terms: int, safety: float,
-              override: str | None = None) -> tuple[ErrorModel, bool]:
+              override: str | None = None, platform: tuple[str, str] | None = None) -> tuple[ErrorModel, bool]:
     """Pick the error model of a low-precision run.
 
     The prior is the coarsest of the arrays' dtypes and the platform's default matmul precision; the forward
     mismatch against the float64 reference then reveals whether the function computes more coarsely than that
     (a bf16 kernel behind f32 arguments, say).
+
+    ``platform`` is :func:`platform_precision` read where ``fn`` ran (default: now). Read it outside any
+    ``default_matmul_precision`` context the verifier itself opens.
 
     Returns:
       (model, forward_ok): ``forward_ok`` is False when the forward mismatch exceeds even the bf16 bound — the
@@ -114,7 +117,7 @@ def model_for(dtypes, forward_error: float, forward_terms: int, safety: float,
             prior = _coarser(prior, name)
     if prior != "f32":
         why = f"{prior} arrays"
-    plat, plat_why = platform_precision()
+    plat, plat_why = platform if platform is not None else platform_precision()
     if UNIT_ROUNDOFF[plat] > UNIT_ROUNDOFF[prior]:
         prior, why = plat, plat_why
     if forward_error > ErrorModel("bf16", safety, "").bound(forward_terms):
