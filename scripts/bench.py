@@ -97,7 +97,144 @@ def suite_swiglu(sizes: str, precision: str, *, repeats: int = 20, warmup: int =
     return rows
 
 
-SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu}
+# ---------------------------------------------------------------------------------------------------------------
+# KAN layer
+# ---------------------------------------------------------------------------------------------------------------
+KAN_CONFIGS = {
+    "small": [dict(batch=64, features=32, grid_size=5, spline_order=3)],
+    "full": [dict(batch=16384, features=512, grid_size=5, spline_order=3),
+             dict(batch=16384, features=512, grid_size=20, spline_order=3),
+             dict(batch=16384, features=512, grid_size=5, spline_order=5)],
+}
+
+
+def kan_cost(batch: int, features: int, grid_size: int, spline_order: int, itemsize: int) -> tuple[float, float]:
+    """(flops, bytes_moved) of one KAN layer fwd+bwd, in -> out = features.
+
+    FLOPs: three dense products of ``[B, in*(G+k+1)] x [in*(G+k+1), out]`` (forward, dC, dx; the +1 is the SiLU
+    base branch): ``6 B in out (G+k+1)``; 232 GFLOP at B=16384, 512->512, G=5, k=3. Evaluating only the k+1
+    non-zero bases would need gathers the matrix units cannot use, so the dense count is the floor of any
+    tensor-core implementation. Bytes: x, y, dy, dx (4 B in) plus parameters, negligible: compute bound.
+    """
+    nb = grid_size + spline_order + 1
+    flops = 6.0 * batch * features * features * nb
+    bytes_moved = 4.0 * batch * features * itemsize + 3.0 * features * features * nb * itemsize
+    return flops, bytes_moved
+
+
+def _kan_variants(precision_name: str) -> dict[str, Callable]:
+    from jaxgrad.kan.layer import kan_linear, kan_linear_reference
+
+    hp = jax.lax.Precision.HIGHEST if precision_name == "highest" else None
+
+    def fwd_bwd(f):
+        def loss(params, x):
+            return jnp.mean(f(params, x) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))
+
+    def trainable(f):
+        return lambda p, x: f({**p, "grid": jax.lax.stop_gradient(p["grid"])}, x)
+
+    extra = {}
+    if precision_name == "highest":  # f32-accurate on tensor cores: three TF32 products (split hi/lo operands)
+        x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        extra["pallas 3xTF32"] = fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="pallas", precision=x3)))
+    return {
+        **extra,
+        "pallas": fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="pallas", precision=hp))),
+        "xla custom_vjp": fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="xla", precision=hp))),
+        "jax.grad(reference)": fwd_bwd(trainable(lambda p, x: kan_linear_reference(p, x, precision=hp))),
+    }
+
+
+def _torch_efficient_kan(cfg: dict, dtype_name: str, tf32: bool, repeats: int, warmup: int) -> bm.Row | None:
+    """PyTorch autograd of efficient-kan's KANLinear math (b_splines + two F.linear), same sizes, in this run."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    import time
+
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    dev, tdt = "cuda", {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    B, F_, G, k = cfg["batch"], cfg["features"], cfg["grid_size"], cfg["spline_order"]
+    h = 2.0 / G
+    grid = (torch.arange(-k, G + k + 1, device=dev) * h - 1.0).expand(F_, -1).contiguous().to(tdt)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.rand(B, F_, device=dev, generator=gen) * 2 - 1).to(tdt).requires_grad_()
+    base_w = (torch.randn(F_, F_, device=dev, generator=gen) / F_ ** 0.5).to(tdt).requires_grad_()
+    spline_w = (0.1 * torch.randn(F_, F_, G + k, device=dev, generator=gen)).to(tdt).requires_grad_()
+    scaler = (torch.randn(F_, F_, device=dev, generator=gen) / F_ ** 0.5).to(tdt).requires_grad_()
+
+    def b_splines(x):  # efficient-kan KANLinear.b_splines
+        xe = x.unsqueeze(-1)
+        bases = ((xe >= grid[:, :-1]) & (xe < grid[:, 1:])).to(x.dtype)
+        for p in range(1, k + 1):
+            bases = ((xe - grid[:, : -(p + 1)]) / (grid[:, p:-1] - grid[:, : -(p + 1)]) * bases[:, :, :-1]) + (
+                (grid[:, p + 1:] - xe) / (grid[:, p + 1:] - grid[:, 1:(-p)]) * bases[:, :, 1:])
+        return bases
+
+    def step():
+        y = F.linear(F.silu(x), base_w) + F.linear(
+            b_splines(x).view(B, -1), (spline_w * scaler.unsqueeze(-1)).view(F_, -1))
+        loss = (y.float() ** 2).mean()
+        grads = torch.autograd.grad(loss, (x, base_w, spline_w, scaler))
+        return loss, grads
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    flops, bytes_moved = kan_cost(B, F_, G, k, 2 if dtype_name == "bf16" else 4)
+    return bm.Row(suite="kan", variant="torch efficient-kan autograd", sizes=dict(cfg), dtype=dtype_name,
+                  precision="tf32" if tf32 else "highest", median_ms=times[len(times) // 2],
+                  p10_ms=times[len(times) // 10], p90_ms=times[(9 * len(times)) // 10], min_ms=times[0],
+                  repeats=repeats, peak_bytes=int(torch.cuda.max_memory_allocated()), flops=flops,
+                  bytes_moved=bytes_moved, notes=f"torch {torch.__version__}, allow_tf32={tf32}")
+
+
+def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
+    """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x)."""
+    from jaxgrad.kan.layer import KANConfig, init
+
+    variants = _kan_variants(precision)
+    rows: list[bm.Row] = []
+    dtypes = (jnp.float32,) if sizes == "small" or precision == "highest" else (jnp.float32, jnp.bfloat16)
+    for cfg in KAN_CONFIGS[sizes]:
+        for dtype in dtypes:
+            if dtype == jnp.bfloat16 and cfg["grid_size"] != 5:
+                continue
+            kc = KANConfig(cfg["features"], cfg["features"], grid_size=cfg["grid_size"],
+                           spline_order=cfg["spline_order"])
+            params = jax.tree.map(lambda a: a.astype(dtype), init(jax.random.key(0), kc))
+            x = jax.random.uniform(jax.random.key(1), (cfg["batch"], cfg["features"]), jnp.float32, -1, 1)
+            flops, bytes_moved = kan_cost(cfg["batch"], cfg["features"], cfg["grid_size"], cfg["spline_order"],
+                                          jnp.dtype(dtype).itemsize)
+            rows += bm.run_variants("kan", variants, (params, x.astype(dtype)), sizes=dict(cfg), flops=flops,
+                                    bytes_moved=bytes_moved, precision=precision,
+                                    floor_precision="highest" if precision == "highest" else "tf32",
+                                    warmup=warmup, repeats=repeats)
+            if sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3:
+                row = _torch_efficient_kan(cfg, "bf16" if dtype == jnp.bfloat16 else "f32",
+                                           tf32=precision != "highest", repeats=repeats, warmup=warmup)
+                if row is not None:
+                    rows.append(row)
+    return rows
+
+
+SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan}
 
 
 # ---------------------------------------------------------------------------------------------------------------

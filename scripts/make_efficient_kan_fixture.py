@@ -103,7 +103,8 @@ def forward_torch(sd, x):  # pragma: no cover - needs torch
         bw, sw, sc, grid = (t[f"layers.{li}.{n}"] for n in ("base_weight", "spline_weight", "spline_scaler", "grid"))
         k = grid.shape[1] - sw.shape[2] - 1
         base_output = F.linear(F.silu(h), bw)
-        spline_output = F.linear(b_splines(h, grid, k).view(h.size(0), -1), (sw * sc.unsqueeze(-1)).view(sw.size(0), -1))
+        spline_output = F.linear(b_splines(h, grid, k).view(h.size(0), -1),
+                                 (sw * sc.unsqueeze(-1)).view(sw.size(0), -1))
         h = base_output + spline_output
     return h.numpy()
 
@@ -111,7 +112,8 @@ def forward_torch(sd, x):  # pragma: no cover - needs torch
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["numpy", "torch"], default="numpy")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "tests/data/efficient_kan_fixture.npz"))
+    default_out = pathlib.Path(__file__).resolve().parents[1] / "tests/data/efficient_kan_fixture.npz"
+    ap.add_argument("--out", default=str(default_out))
     args = ap.parse_args(argv)
     rng = np.random.default_rng(SEED)
     sd = make_weights(rng)

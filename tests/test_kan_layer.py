@@ -8,6 +8,7 @@ leaf). ``fn`` and ``reference`` are jitted so the verifier's eager passes compil
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,42 +17,42 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxgrad.kan.layer import KANConfig, init, kan_linear, kan_linear_reference
+from jaxgrad.kan.layer import KANConfig, kan_linear, kan_linear_reference
 from jaxgrad.kan.network import kan_apply, kan_apply_reference, kan_init
-from jaxgrad.kan.spline import make_grid
 from jaxgrad.verify import assert_vjp_matches
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# helpers
+# helpers (test data come from numpy: eager jax.random / init calls compile per shape and dominate CPU time)
 # ---------------------------------------------------------------------------------------------------------------
-def _randomize(key, params, dtype=None):
-    """White-noise trained leaves (init's spline weights are ~1e-2 and its bias is 0: paths barely exercised)."""
-    out_f, in_f = params["base_weight"].shape
-    ks = jax.random.split(key, 4)
-    dtype = dtype or params["base_weight"].dtype
-    p = dict(params)
-    p["base_weight"] = jax.random.normal(ks[0], (out_f, in_f), dtype) / np.sqrt(in_f)
-    p["spline_weight"] = jax.random.normal(ks[1], params["spline_weight"].shape, dtype)
-    p["spline_scaler"] = jax.random.normal(ks[2], (out_f, in_f), dtype) / np.sqrt(in_f)
-    if "bias" in params:
-        p["bias"] = jax.random.normal(ks[3], (out_f,), dtype)
-    p["grid"] = params["grid"].astype(dtype)
-    return p
+def _layer(seed, in_f, out_f, *, grid_size=5, spline_order=3, bias=True, dtype=jnp.float32, grid_range=(-1.0, 1.0)):
+    """A layer dict with white-noise trained leaves (init's spline weights are ~1e-2 and its bias is 0, so the
+    spline and bias paths would barely be exercised) and the uniform extended grid of ``make_grid``."""
+    rng = np.random.default_rng(seed)
+    G, k = grid_size, spline_order
+    lo, hi = grid_range
+    knots = lo + np.arange(-k, G + k + 1) * ((hi - lo) / G)
+    p = {
+        "base_weight": rng.standard_normal((out_f, in_f)) / math.sqrt(in_f),
+        "spline_weight": rng.standard_normal((out_f, in_f, G + k)),
+        "spline_scaler": rng.standard_normal((out_f, in_f)) / math.sqrt(in_f),
+        "grid": np.broadcast_to(knots, (in_f, knots.size)),
+    }
+    if bias:
+        p["bias"] = rng.standard_normal((out_f,))
+    return {name: jnp.asarray(v, dtype) for name, v in p.items()}
 
 
-def _layer(seed, in_f, out_f, *, grid_size=5, spline_order=3, bias=True, dtype=jnp.float32, **cfg):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    cfg = KANConfig(in_f, out_f, grid_size=grid_size, spline_order=spline_order, bias=bias, **cfg)
-    return _randomize(k2, init(k1, cfg, jnp.float32), dtype)
+def _x(seed, shape, lo=-1.6, hi=1.6, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(1000 + seed).uniform(lo, hi, shape), dtype)
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(2000 + seed).standard_normal(shape), dtype)
 
 
 def _split(params):
     return {k: v for k, v in params.items() if k != "grid"}, params["grid"]
-
-
-def _x(seed, shape, lo=-1.6, hi=1.6, dtype=jnp.float32):
-    return jax.random.uniform(jax.random.key(1000 + seed), shape, jnp.float32, lo, hi).astype(dtype)
 
 
 def _verify_layer(params, x, **options):
@@ -64,6 +65,7 @@ def _verify_layer(params, x, **options):
     return assert_vjp_matches(fn, ref, trainable, x, arg_names=("params", "x"), **options)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _vjp(f, params, x, g):
     y, pb = jax.vjp(f, params, x)
     return y, pb(g)
@@ -83,36 +85,40 @@ def test_vjp_verified_over_batch_sizes(batch):
 
 @pytest.mark.parametrize("order", [1, 2, 3, 4, 5])
 def test_vjp_verified_over_spline_orders(order):
-    params = _layer(10 + order, 3, 5, grid_size=4, spline_order=order)
+    # grid_size + order = 8 bases for every order: the same leaf shapes as the batch sweep (the verifier's random
+    # draws then compile once)
+    params = _layer(10 + order, 3, 5, grid_size=8 - order, spline_order=order)
     _verify_layer(params, _x(order, (7, 3)))
 
 
 def test_vjp_verified_three_layers():
-    params = kan_init(jax.random.key(3), [3, 4, 5, 2], bias=True, grid_size=4)
-    params = [_randomize(jax.random.key(30 + i), p) for i, p in enumerate(params)]
+    # biases are verified by the single-layer cases. Leaf shapes repeat those of the single-layer cases (3->5 with
+    # 8 bases, x [16, 3]): the verifier's random draws compile once per shape and dominate its CPU time otherwise.
+    widths = [(3, 5), (5, 3), (3, 5)]
+    params = [_layer(30 + i, a, b, grid_size=6, spline_order=2, bias=False) for i, (a, b) in enumerate(widths)]
     trainable = [_split(p)[0] for p in params]
     grids = [p["grid"] for p in params]
     merge = lambda t: [{**a, "grid": g} for a, g in zip(t, grids)]  # noqa: E731
     fn = jax.jit(lambda t, x: kan_apply(merge(t), x))
     ref = jax.jit(lambda t, x: kan_apply_reference(merge(t), x))
-    assert_vjp_matches(fn, ref, trainable, _x(3, (16, 3)), arg_names=("params", "x"))
+    assert_vjp_matches(fn, ref, trainable, _x(3, (16, 3)), arg_names=("params", "x"), fd_directions=1)
 
 
 def test_vjp_verified_wide_layer():
     params = _layer(4, 32, 256)
-    _verify_layer(params, _x(4, (64, 32)), fd=False)
+    _verify_layer(params, _x(4, (64, 32)), fd=False, adjoint=False)
 
 
 def test_vjp_verified_on_non_uniform_grid():
-    params = _layer(5, 3, 5, grid_size=6)
+    params = _layer(5, 3, 5)
     grid = params["grid"]
     h = float(grid[0, 1] - grid[0, 0])
     # move every knot by < h/2 (independently per input row): rows stay strictly increasing, no longer uniform
-    jitter = jax.random.uniform(jax.random.key(50), grid.shape, grid.dtype, -0.35 * h, 0.35 * h)
+    jitter = jnp.asarray(np.random.default_rng(50).uniform(-0.35 * h, 0.35 * h, grid.shape), grid.dtype)
     params["grid"] = grid + jitter
     assert bool(jnp.all(jnp.diff(params["grid"], axis=-1) > 0))
     assert float(jnp.std(jnp.diff(params["grid"], axis=-1))) > 0.05 * h
-    _verify_layer(params, _x(5, (9, 3)))
+    _verify_layer(params, _x(5, (7, 3)))
 
 
 def test_vjp_verified_with_bf16_inputs():
@@ -145,19 +151,19 @@ def test_inputs_outside_grid_range():
     params = _layer(8, 3, 5, grid_size=5, spline_order=3)
     k, h = 3, 2.0 / 5
     far = 1.0 + k * h  # the extended band ends at +-(1 + k h)
-    sign = jnp.where(jax.random.bernoulli(jax.random.key(80), 0.5, (32, 3)), 1.0, -1.0)
+    sign = jnp.asarray(np.random.default_rng(80).choice([-1.0, 1.0], (32, 3)), jnp.float32)
     x_far = sign * _x(8, (32, 3), far + 0.01, far + 3.0)
-    g = jax.random.normal(jax.random.key(81), (32, 5))
+    g = _normal(81, (32, 5))
     y, (gp, gx) = _vjp(kan_linear, params, x_far, g)
     # spline part exactly zero beyond the band: same output with the spline weights zeroed
     no_spline = {**params, "spline_weight": jnp.zeros_like(params["spline_weight"])}
-    np.testing.assert_array_equal(y, kan_linear(no_spline, x_far))
+    np.testing.assert_array_equal(y, _vjp(kan_linear, no_spline, x_far, g)[0])
     assert not bool(jnp.any(gp["spline_weight"])) and not bool(jnp.any(gp["spline_scaler"]))
     # the input gradient comes from silu only
     s = jax.nn.sigmoid(x_far)
     np.testing.assert_allclose(gx, (g @ params["base_weight"]) * s * (1 + x_far * (1 - s)), rtol=1e-6, atol=1e-6)
     # and the whole VJP, inside the fading band and beyond, is verified
-    x_mix = jnp.concatenate([x_far[:6], sign[:6] * _x(9, (6, 3), 1.0, far)])
+    x_mix = jnp.concatenate([x_far[:3], sign[:4] * _x(9, (4, 3), 1.0, far)])
     _verify_layer(params, x_mix)
 
 
@@ -176,20 +182,34 @@ def test_two_backward_calls_are_independent():
     params = _layer(12, 3, 5)
     x = _x(12, (7, 3))
     _, pb = jax.vjp(kan_linear, params, x)
-    g1, g2 = jax.random.normal(jax.random.key(120), (2, 7, 5))
-    a1, a2, a1_again, a12 = pb(g1), pb(g2), pb(g1), pb(g1 + g2)
+    call = jax.jit(lambda pb, g: pb(g))  # the pullback is a pytree: one compile, four calls
+    g1, g2 = _normal(120, (2, 7, 5))
+    a1, a2, a1_again, a12 = call(pb, g1), call(pb, g2), call(pb, g1), call(pb, g1 + g2)
     jax.tree.map(np.testing.assert_array_equal, a1, a1_again)
     jax.tree.map(lambda u, v, w: np.testing.assert_allclose(u + v, w, rtol=1e-5, atol=1e-5), a1, a2, a12)
     # a second, independent vjp closure gives the same answer
     _, pb2 = jax.vjp(kan_linear, params, x)
-    jax.tree.map(np.testing.assert_array_equal, pb2(g2), a2)
+    jax.tree.map(np.testing.assert_array_equal, call(pb2, g2), a2)
+
+
+def test_residuals_are_the_inputs_only():
+    """The custom VJP keeps x and the params for the backward, never the [B, in, G+k] basis (autodiff of the
+    reference tapes a dozen such tensors)."""
+    saved = pytest.importorskip("jax._src.ad_checkpoint").saved_residuals
+    params = _layer(15, 3, 5)
+    x = _x(15, (16, 3))
+    allowed = {tuple(v.shape) for v in params.values()} | {x.shape}
+    res = saved(kan_linear, params, x)
+    assert res and all(tuple(aval.shape) in allowed for aval, _ in res), [(a.shape, d) for a, d in res]
+    ref = saved(kan_linear_reference, params, x)
+    assert any(len(aval.shape) == 3 and aval.shape[0] == 16 for aval, _ in ref)  # the check can see a basis
 
 
 @pytest.mark.parametrize("shape", [(3,), (2, 4, 3), (1, 1, 3)])
 def test_any_leading_shape(shape):
     params = _layer(13, 3, 5)
     x = _x(13, shape)
-    g = jax.random.normal(jax.random.key(130), shape[:-1] + (5,))
+    g = _normal(130, shape[:-1] + (5,))
     y, (gp, gx) = _vjp(kan_linear, params, x, g)
     y_r, (gp_r, gx_r) = _vjp(kan_linear_reference, params, x, g)
     assert y.shape == shape[:-1] + (5,) and gx.shape == shape
@@ -203,11 +223,12 @@ def test_any_leading_shape(shape):
 def test_backends_agree_and_reference_backend_has_forward_mode():
     params = _layer(14, 3, 5)
     x = _x(14, (6, 3))
-    np.testing.assert_allclose(kan_linear(params, x), kan_linear(params, x, backend="reference"), rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(jax.jit(kan_linear)(params, x),
+                               jax.jit(functools.partial(kan_linear, backend="reference"))(params, x),
+                               rtol=1e-6, atol=1e-6)
     f = lambda x: kan_linear(params, x, backend="reference")  # noqa: E731
-    jf = jax.jacfwd(f)(x)
-    jr = jax.jacrev(lambda x: kan_linear_reference(params, x))(x)
+    jf = jax.jit(jax.jacfwd(f))(x)
+    jr = jax.jit(jax.jacrev(lambda x: kan_linear_reference(params, x)))(x)
     np.testing.assert_allclose(jf, jr, rtol=1e-5, atol=1e-5)
 
 
@@ -216,32 +237,33 @@ def test_backends_agree_and_reference_backend_has_forward_mode():
 # ---------------------------------------------------------------------------------------------------------------
 def test_finite_differences_float64_all_cases_pass():
     n_cases, batch, in_f, out_f, G, k = 50, 6, 3, 4, 5, 3
+    h = 2.0 / G
+    rng = np.random.default_rng(2024)
+    # inputs in the middle 80% of a knot interval, over the extended grid and one interval past each end
+    j = rng.integers(-1, G + 2 * k + 1, (n_cases, batch, in_f))
+    cases = {
+        "params": {"base_weight": rng.standard_normal((n_cases, out_f, in_f)),
+                   "spline_weight": rng.standard_normal((n_cases, out_f, in_f, G + k)),
+                   "spline_scaler": rng.standard_normal((n_cases, out_f, in_f)),
+                   "bias": rng.standard_normal((n_cases, out_f))},
+        "x": -1.0 - k * h + (j + rng.uniform(0.1, 0.9, j.shape)) * h,
+        "g": rng.standard_normal((n_cases, batch, out_f)),
+    }
+    cases["dirs"] = jax.tree.map(lambda a: rng.standard_normal(a.shape), (cases["params"], cases["x"]))
+    knots = -1.0 + np.arange(-k, G + k + 1) * h
     with jax.enable_x64(True):
-        grid = make_grid(in_f, G, k, (-1.0, 1.0), jnp.float64)
-        h = 2.0 / G
+        grid = jnp.asarray(np.broadcast_to(knots, (in_f, knots.size)))
+        cases = jax.tree.map(jnp.asarray, cases)
 
-        def one_case(key):
-            ks = jax.random.split(key, 10)
-            params = {
-                "base_weight": jax.random.normal(ks[0], (out_f, in_f), jnp.float64),
-                "spline_weight": jax.random.normal(ks[1], (out_f, in_f, G + k), jnp.float64),
-                "spline_scaler": jax.random.normal(ks[2], (out_f, in_f), jnp.float64),
-                "bias": jax.random.normal(ks[3], (out_f,), jnp.float64),
-            }
-            # inputs in the middle 80% of a knot interval, over the extended grid and one interval past each end
-            j = jax.random.randint(ks[4], (batch, in_f), -1, G + 2 * k + 1)
-            u = jax.random.uniform(ks[5], (batch, in_f), jnp.float64, 0.1, 0.9)
-            x = -1.0 - k * h + (j + u) * h
-            g = jax.random.normal(ks[6], (batch, out_f), jnp.float64)
+        def one_case(c):
+            params, x, g = c["params"], c["x"], c["g"]
             loss = lambda t, x: jnp.vdot(g, kan_linear({**t, "grid": grid}, x))  # noqa: E731
             gt, gx = jax.grad(loss, argnums=(0, 1))(params, x)
-            dirs = jax.tree.map(lambda a, kk: jax.random.normal(kk, a.shape, a.dtype), (params, x),
-                                (dict(zip(params, jax.random.split(ks[7], 4))), ks[8]))
             eps = 1e-5
             errs = []
-            for which in range(2):  # params, x: one direction each
-                vt = dirs[0] if which == 0 else jax.tree.map(jnp.zeros_like, params)
-                vx = dirs[1] if which == 1 else jnp.zeros_like(x)
+            for which in range(2):  # params, x: one random direction each
+                vt = c["dirs"][0] if which == 0 else jax.tree.map(jnp.zeros_like, params)
+                vx = c["dirs"][1] if which == 1 else jnp.zeros_like(x)
                 plus = loss(jax.tree.map(lambda a, v: a + eps * v, params, vt), x + eps * vx)
                 minus = loss(jax.tree.map(lambda a, v: a - eps * v, params, vt), x - eps * vx)
                 fd = (plus - minus) / (2 * eps)
@@ -251,7 +273,7 @@ def test_finite_differences_float64_all_cases_pass():
                 errs.append(jnp.abs(fd - exact) / scale)
             return jnp.stack(errs)
 
-        errs = np.asarray(jax.jit(jax.vmap(one_case))(jax.random.split(jax.random.key(2024), n_cases)))
+        errs = np.asarray(jax.jit(jax.vmap(one_case))(cases))
     assert errs.shape == (n_cases, 2)
     bad = np.argwhere(errs > 1e-7)
     assert bad.size == 0, f"{len(bad)} of {errs.size} directional FD checks failed; worst {errs.max():.2e} at {bad}"
@@ -268,8 +290,8 @@ def test_hypothesis_shapes_orders_grid_sizes(lead, in_f, out_f, grid_size, order
     with jax.enable_x64(True):
         params = _layer(seed, in_f, out_f, grid_size=grid_size, spline_order=order, bias=bias, dtype=jnp.float64)
         shape = (*lead, in_f)
-        x = jax.random.uniform(jax.random.key(seed), shape, jnp.float64, -1.5, 1.5)
-        g = jax.random.normal(jax.random.key(seed + 1), (*lead, out_f), jnp.float64)
+        x = _x(seed, shape, -1.5, 1.5, jnp.float64)
+        g = _normal(seed, (*lead, out_f), jnp.float64)
         y, (gp, gx) = jax.jit(functools.partial(_vjp, kan_linear))(params, x, g)
         y_r, (gp_r, gx_r) = jax.jit(functools.partial(_vjp, kan_linear_reference))(params, x, g)
         assert y.shape == (*lead, out_f) and y.dtype == jnp.float64
@@ -353,9 +375,9 @@ def _kernels():
 @pytest.mark.parametrize("order", [1, 3])
 def test_pallas_backend_matches_xla(order):
     _kernels()
-    params = _layer(40 + order, 3, 5, spline_order=order)
+    params = _layer(40 + order, 3, 5, grid_size=8 - order, spline_order=order)
     x = _x(40, (2, 7, 3))
-    g = jax.random.normal(jax.random.key(400), (2, 7, 5))
+    g = _normal(400, (2, 7, 5))
     pallas = functools.partial(kan_linear, backend="pallas", interpret=True)
     y, (gp, gx) = _vjp(pallas, params, x, g)
     y_x, (gp_x, gx_x) = _vjp(kan_linear, params, x, g)
@@ -369,4 +391,4 @@ def test_pallas_backend_matches_xla(order):
 def test_pallas_backend_vjp_verified():
     _kernels()
     params = _layer(44, 3, 5)
-    _verify_layer(params, _x(44, (9, 3)), backend="pallas", interpret=True)
+    _verify_layer(params, _x(44, (7, 3)), backend="pallas", interpret=True, fd=False)

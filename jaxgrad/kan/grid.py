@@ -36,6 +36,7 @@ most ``G + k`` distinct ones per input, or after a nested refinement).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -51,8 +52,9 @@ __all__ = ["grid_from_samples", "refine", "refine_network", "update_grid", "upda
 def _check_finite(x, name: str = "x") -> None:
     if isinstance(x, jax.core.Tracer):  # under jit the check is the caller's business
         return
-    if not bool(jnp.all(jnp.isfinite(x))):
-        bad = int(jnp.size(x) - jnp.sum(jnp.isfinite(x)))
+    finite = np.isfinite(np.asarray(x))
+    if not finite.all():
+        bad = int(finite.size - finite.sum())
         raise ValueError(f"KAN grid update: '{name}' contains {bad} non-finite value(s) (NaN/Inf); the knots are "
                          f"sample quantiles and would be NaN")
 
@@ -107,14 +109,8 @@ def _refit(params, x, new_grid, keep_rows=None):
     return new_sw.astype(sw.dtype)
 
 
-def update_grid(params: dict[str, jax.Array], x: jax.Array, *, grid_eps: float = 0.02,
-                margin: float = 0.01) -> dict[str, jax.Array]:
-    """Adapt the layer's grid to samples ``x[..., in]`` and refit ``spline_weight`` (see the module docstring).
-
-    Returns a new params dict (same shapes and dtypes; ``spline_scaler``, ``base_weight``, ``bias`` unchanged).
-    Raises ``ValueError`` naming ``'x'`` when ``x`` has NaN/Inf.
-    """
-    x = _as_samples(params, x)
+@jax.jit
+def _update_grid_impl(params, x, grid_eps, margin):
     k = check_params(params)
     G = params["spline_weight"].shape[-1] - k
     grid = params["grid"]
@@ -128,6 +124,18 @@ def update_grid(params: dict[str, jax.Array], x: jax.Array, *, grid_eps: float =
     return out
 
 
+def update_grid(params: dict[str, jax.Array], x: jax.Array, *, grid_eps: float = 0.02,
+                margin: float = 0.01) -> dict[str, jax.Array]:
+    """Adapt the layer's grid to samples ``x[..., in]`` and refit ``spline_weight`` (see the module docstring).
+
+    Returns a new params dict (same shapes and dtypes; ``spline_scaler``, ``base_weight``, ``bias`` unchanged).
+    Raises ``ValueError`` naming ``'x'`` when ``x`` has NaN/Inf (checked when ``x`` is concrete; under an outer
+    ``jit`` that check is skipped). Compiled once per shape.
+    """
+    x = _as_samples(params, x)
+    return _update_grid_impl(params, x, grid_eps, margin)
+
+
 def _interpolate_knots(grid: jax.Array, k: int, new_G: int) -> tuple[jax.Array, jax.Array]:
     """New interior knots by piecewise-linear interpolation of the old interior knots (keeps the range and the
     knot density of an adapted grid; a uniform grid stays uniform). Returns ``(grid[in, new_G+2k+1], h[in])``."""
@@ -137,6 +145,35 @@ def _interpolate_knots(grid: jax.Array, k: int, new_G: int) -> tuple[jax.Array, 
     new_core = jax.vmap(lambda row: jnp.interp(pos, jnp.arange(G + 1, dtype=grid.dtype), row))(core)
     h = (core[:, -1] - core[:, 0]) / new_G
     return _extend(new_core, h, k), h
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _refine_samples_impl(params, new_G, x, grid_eps, margin):
+    k = check_params(params)
+    grid = params["grid"]
+    dt = jnp.result_type(x.dtype, grid.dtype)
+    new_grid, h = grid_from_samples(x.astype(dt), new_G, k, grid_eps=grid_eps, margin=margin)
+    # an input without spread: fall back to the interpolated old grid
+    interp, _ = _interpolate_knots(grid.astype(dt), k, new_G)
+    new_grid = jnp.where((h > 0)[:, None], new_grid, interp)
+    out = dict(params)
+    out["spline_weight"] = _refit(params, x, new_grid)
+    out["grid"] = new_grid.astype(grid.dtype)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _refine_dense_impl(params, new_G, n):
+    k = check_params(params)
+    grid = params["grid"]
+    new_grid, _ = _interpolate_knots(grid, k, new_G)
+    lo, hi = grid[:, k], grid[:, grid.shape[1] - k - 1]
+    u = jnp.linspace(0.0, 1.0, n, dtype=grid.dtype)
+    samples = lo[None, :] + u[:, None] * (hi - lo)[None, :]
+    out = dict(params)
+    out["spline_weight"] = _refit(params, samples, new_grid)
+    out["grid"] = new_grid
+    return out
 
 
 def refine(params: dict[str, jax.Array], new_grid_size: int, x: jax.Array | None = None, *,
@@ -151,32 +188,18 @@ def refine(params: dict[str, jax.Array], new_grid_size: int, x: jax.Array | None
       that range. When the old knots are a subset of the new ones (uniform grid, ``new_G`` a multiple of ``G``) the
       function is reproduced exactly on the range.
 
-    The shapes of ``spline_weight`` and ``grid`` change; everything else is unchanged.
+    The shapes of ``spline_weight`` and ``grid`` change; everything else is unchanged. Refining to a *smaller* grid
+    is allowed (a least-squares coarsening).
     """
     k = check_params(params)
     new_G = int(new_grid_size)
     if new_G < 1:
         raise ValueError(f"refine: new_grid_size must be >= 1, got {new_grid_size}")
-    grid = params["grid"]
     if x is not None:
         x = _as_samples(params, x)
-        dt = jnp.result_type(x.dtype, grid.dtype)
-        new_grid, h = grid_from_samples(x.astype(dt), new_G, k, grid_eps=grid_eps, margin=margin)
-        # an input without spread: fall back to the interpolated old grid
-        interp, _ = _interpolate_knots(grid.astype(dt), k, new_G)
-        new_grid = jnp.where((h > 0)[:, None], new_grid, interp)
-        samples = x
-    else:
-        dt = grid.dtype
-        new_grid, _ = _interpolate_knots(grid, k, new_G)
-        n = int(num_samples) if num_samples is not None else max(201, 8 * (new_G + k))
-        lo, hi = grid[:, k], grid[:, grid.shape[1] - k - 1]
-        u = jnp.linspace(0.0, 1.0, n, dtype=dt)
-        samples = lo[None, :] + u[:, None] * (hi - lo)[None, :]
-    out = dict(params)
-    out["spline_weight"] = _refit(params, samples, new_grid)
-    out["grid"] = new_grid.astype(grid.dtype)
-    return out
+        return _refine_samples_impl(params, new_G, x, grid_eps, margin)
+    n = int(num_samples) if num_samples is not None else max(201, 8 * (new_G + k))
+    return _refine_dense_impl(params, new_G, n)
 
 
 def _as_list(net_params):
@@ -185,8 +208,7 @@ def _as_list(net_params):
     return list(net_params), False
 
 
-def _forward_layer(params, h):
-    return kan_linear_reference(params, h)
+_forward_layer = jax.jit(kan_linear_reference)
 
 
 def update_grids(net_params: Sequence[dict[str, jax.Array]], x: jax.Array, *, grid_eps: float = 0.02,

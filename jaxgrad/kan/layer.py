@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxgrad.kan.spline import (bspline_basis, bspline_basis_derivative, curve_to_coefficients, make_grid,
+from jaxgrad.kan.spline import (_bases_of_degree, _safe_div, bspline_basis, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
 __all__ = ["KANConfig", "check_params", "init", "kan_linear", "kan_linear_reference", "spline_order", "trainable_mask"]
@@ -158,7 +158,8 @@ def _compute_dtype(*dtypes) -> jnp.dtype:
 
 
 def _silu_and_slope(x):
-    r""":math:`\operatorname{silu}(x) = x\sigma(x)` and :math:`\operatorname{silu}'(x) = \sigma(x)(1 + x(1-\sigma(x)))`."""
+    r""":math:`\operatorname{silu}(x) = x\sigma(x)` and
+    :math:`\operatorname{silu}'(x) = \sigma(x)(1 + x(1-\sigma(x)))`."""
     s = jax.nn.sigmoid(x)
     return x * s, s * (1 + x * (1 - s))
 
@@ -166,6 +167,22 @@ def _silu_and_slope(x):
 def _coef(p):
     """``C[o, i, m] = spline_weight[o, i, m] * spline_scaler[o, i]``."""
     return p["spline_weight"] * p["spline_scaler"][..., None]
+
+
+def _basis_and_derivative(x, grid, k):
+    """``(bspline_basis, bspline_basis_derivative)`` sharing one Cox-de Boor recursion up to degree ``k - 1``.
+
+    The last recursion step and the derivative formula are the ones of :mod:`jaxgrad.kan.spline` (same operations,
+    so the values are bitwise those of :func:`~jaxgrad.kan.spline.bspline_basis` and
+    :func:`~jaxgrad.kan.spline.bspline_basis_derivative`)."""
+    t = grid.astype(x.dtype)
+    xe = x[..., None]
+    lower = _bases_of_degree(x, t, k - 1)  # [..., in, G+k+1]
+    left = _safe_div(xe - t[:, : -(k + 1)], t[:, k:-1] - t[:, : -(k + 1)]) * lower[..., :-1]
+    right = _safe_div(t[:, k + 1:] - xe, t[:, k + 1:] - t[:, 1:-k]) * lower[..., 1:]
+    dphi = k * (_safe_div(lower[..., :-1], t[:, k:-1] - t[:, : -(k + 1)])
+                - _safe_div(lower[..., 1:], t[:, k + 1:] - t[:, 1:-k]))
+    return left + right, dphi
 
 
 def _forward_math(p, x, k, backend, precision, interpret):
@@ -202,8 +219,7 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
                                                        interpret=interpret)
         dx_spline, dcoef = dx_spline.astype(x.dtype), dcoef.astype(x.dtype)
     else:
-        phi = bspline_basis(x, p["grid"], k)  # recomputed here, never a residual
-        dphi = bspline_basis_derivative(x, p["grid"], k)  # B'_m(x_bi)
+        phi, dphi = _basis_and_derivative(x, p["grid"], k)  # recomputed here, never a residual
         # dC[o,i,m] = sum_b g[b,o] B_m(x_bi)
         dcoef = jnp.matmul(g.T, phi.reshape(n, -1), precision=precision).reshape(out_f, in_f, nb)
         # sum_o g[b,o] sum_m C[o,i,m] B'_m(x_bi)
@@ -317,15 +333,46 @@ def kan_linear(params: Mapping[str, jax.Array], x: jax.Array, *, backend: str = 
       interpret: Pallas interpret mode (``None``: on unless running on a GPU); ignored by the other backends.
     """
     k = _validate(params, x, backend)
-    p = {name: params[name] for name in ("base_weight", "spline_weight", "spline_scaler", "grid", "bias")
-         if name in params}
+    p = {name: params[name] for name in ("base_weight", "spline_weight", "spline_scaler", "bias") if name in params}
+    # not trained, to every order: the backward's own use of the knots must not leak a second-order grid gradient
+    p["grid"] = jax.lax.stop_gradient(params["grid"])
     out_f, in_f = p["base_weight"].shape
     lead = x.shape[:-1]
     if backend == "reference" or x.size == 0:
-        p = {**p, "grid": jax.lax.stop_gradient(p["grid"])}
         out_dtype = jnp.result_type(x, *(p[n] for n in _TRAINABLE if n in p))
         pc, xc = _to_compute(p, x.reshape(-1, in_f), _compute_dtype(out_dtype))
         y = _forward_math(pc, xc, k, "xla", precision, None).astype(out_dtype)
     else:
         y = _kan_linear_vjp(p, x.reshape(-1, in_f), k, backend, precision, interpret)
     return y.reshape(*lead, out_f)
+
+
+def audit_cases():
+    """Cases for ``jaxgrad audit``: the trained leaves and x are verified; the grid is closed over (not trained)."""
+    from jaxgrad.ops.registry import OpAudit
+
+    def make_args(key, size):
+        batch, n_in, n_out = size
+        k_init, k_x = jax.random.split(key)
+        params = init(k_init, KANConfig(n_in, n_out, bias=True))
+        params["bias"] = jax.random.normal(k_x, (n_out,)) * 0.1
+        trainable = {name: v for name, v in params.items() if name != "grid"}
+        x = jax.random.uniform(jax.random.fold_in(k_x, 1), (batch, n_in), minval=-1.2, maxval=1.2)
+        return trainable, x
+
+    def fn_for(backend):
+        def fn(trainable, x):
+            grid = make_grid(x.shape[-1], 5, 3, dtype=x.dtype)
+            return kan_linear({**trainable, "grid": grid}, x, backend=backend)
+        fn.__name__ = f"kan_linear_{backend}"
+        return fn
+
+    def reference(trainable, x):
+        return kan_linear_reference({**trainable, "grid": make_grid(x.shape[-1], 5, 3, dtype=x.dtype)}, x)
+
+    return (
+        OpAudit("kan_linear[xla]", fn_for("xla"), reference, make_args, ((7, 5, 3), (33, 9, 4), (129, 17, 6)),
+                arg_names=("params", "x")),
+        OpAudit("kan_linear[pallas]", fn_for("pallas"), reference, make_args, ((7, 5, 3), (33, 9, 4)),
+                arg_names=("params", "x")),
+    )

@@ -52,7 +52,11 @@ def kan_init(key: jax.Array, widths: Sequence[int], *, dtype=jnp.float32, **laye
         raise TypeError(f"kan_init: {sorted(bad)} come from 'widths', do not pass them")
     cfgs = [KANConfig(a, b, **layer_cfg) for a, b in zip(widths[:-1], widths[1:])]
     keys = jax.random.split(key, len(cfgs))
-    return [init(k, cfg, dtype) for k, cfg in zip(keys, cfgs)]
+    return [_init_jit(k, cfg, dtype) for k, cfg in zip(keys, cfgs)]
+
+
+# One compiled program per layer configuration (eager, the lstsq fit dispatches dozens of small compiled ops).
+_init_jit = jax.jit(init, static_argnums=(1, 2))
 
 
 def kan_widths(params: Sequence[dict[str, jax.Array]]) -> list[int]:

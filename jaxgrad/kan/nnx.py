@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrad.kan.layer import KANConfig, check_params, init, kan_linear
-from jaxgrad.kan.network import kan_widths
+from jaxgrad.kan.layer import KANConfig, check_params, kan_linear
+from jaxgrad.kan.network import _init_jit, kan_widths
 
 __all__ = ["KAN", "KANGrid", "KANLinear"]
 
@@ -53,7 +53,7 @@ class KANLinear(nnx.Module):
             cfg = KANConfig(in_features, out_features, grid_size=grid_size, spline_order=spline_order,
                             grid_range=tuple(grid_range), scale_noise=scale_noise, scale_base=scale_base,
                             scale_spline=scale_spline, grid_eps=grid_eps, bias=bias)
-            params = init(rngs.params(), cfg, dtype)
+            params = _init_jit(rngs.params(), cfg, dtype)  # jitted layer.init
         else:
             check_params(params)
             if params["base_weight"].shape != (out_features, in_features):

@@ -28,6 +28,9 @@ def edge_activations(params: dict[str, jax.Array], x: jax.Array) -> tuple[jax.Ar
     return phi, spline
 
 
+_edge_activations_jit = jax.jit(edge_activations)
+
+
 def plot_activations(params_list: dict | Sequence[dict], path, x_range=None, num: int = 200,
                      panel_size: float = 1.3, title: str | None = None):
     """Save a PNG with one small panel per edge ``phi_oi``, a block of ``out x in`` panels per layer.
@@ -63,7 +66,7 @@ def plot_activations(params_list: dict | Sequence[dict], path, x_range=None, num
             hi = np.full(in_f, float(x_range[1]))
         u = np.linspace(0.0, 1.0, int(num))
         xs = lo[None, :] + u[:, None] * (hi - lo)[None, :]  # [num, in]
-        phi, spline = edge_activations(p, jnp.asarray(xs, dtype=p["spline_weight"].dtype))
+        phi, spline = _edge_activations_jit(p, jnp.asarray(xs, dtype=p["spline_weight"].dtype))
         phi, spline = np.asarray(phi), np.asarray(spline)
         axes = sub.subplots(out_f, ncols, squeeze=False)
         sub.suptitle(f"layer {li}: {in_f} -> {out_f}", fontsize=9)

@@ -127,10 +127,8 @@ def layer_regularization(params: dict[str, jax.Array], x: jax.Array, *, lamb_l1:
     v = (edge_scale_materialized if materialize else edge_scale)(params, x, include_base=include_base)
     reg = lamb_l1 * jnp.sum(v) + lamb_entropy * _entropy_terms(v)
     w = params["spline_weight"]
-    if lamb_coef:
-        reg = reg + lamb_coef * jnp.sum(jnp.mean(jnp.abs(w), axis=0))
-    if lamb_coefdiff:
-        reg = reg + lamb_coefdiff * jnp.sum(jnp.mean(jnp.abs(jnp.diff(w, axis=-1)), axis=0))
+    reg = reg + lamb_coef * jnp.sum(jnp.mean(jnp.abs(w), axis=0))
+    reg = reg + lamb_coefdiff * jnp.sum(jnp.mean(jnp.abs(jnp.diff(w, axis=-1)), axis=0))
     return reg
 
 
