@@ -379,8 +379,9 @@ def test_pallas_backend_matches_xla(order):
     x = _x(40, (2, 7, 3))
     g = _normal(400, (2, 7, 5))
     pallas = functools.partial(kan_linear, backend="pallas", interpret=True)
-    y, (gp, gx) = _vjp(pallas, params, x, g)
-    y_x, (gp_x, gx_x) = _vjp(kan_linear, params, x, g)
+    with jax.default_matmul_precision("highest"):  # exact f32 on both paths, also on a GPU (TF32 otherwise)
+        y, (gp, gx) = _vjp(pallas, params, x, g)
+        y_x, (gp_x, gx_x) = _vjp(kan_linear, params, x, g)
     np.testing.assert_allclose(y, y_x, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gx, gx_x, rtol=1e-5, atol=1e-5)
     for name in gp:
