@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxgrad.kan.spline import (_bases_of_degree, _safe_div, bspline_basis, curve_to_coefficients, make_grid,
+from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
 __all__ = ["KANConfig", "check_params", "init", "kan_linear", "kan_linear_reference", "spline_order", "trainable_mask"]
@@ -169,22 +169,6 @@ def _coef(p):
     return p["spline_weight"] * p["spline_scaler"][..., None]
 
 
-def _basis_and_derivative(x, grid, k):
-    """``(bspline_basis, bspline_basis_derivative)`` sharing one Cox-de Boor recursion up to degree ``k - 1``.
-
-    The last recursion step and the derivative formula are the ones of :mod:`jaxgrad.kan.spline` (same operations,
-    so the values are bitwise those of :func:`~jaxgrad.kan.spline.bspline_basis` and
-    :func:`~jaxgrad.kan.spline.bspline_basis_derivative`)."""
-    t = grid.astype(x.dtype)
-    xe = x[..., None]
-    lower = _bases_of_degree(x, t, k - 1)  # [..., in, G+k+1]
-    left = _safe_div(xe - t[:, : -(k + 1)], t[:, k:-1] - t[:, : -(k + 1)]) * lower[..., :-1]
-    right = _safe_div(t[:, k + 1:] - xe, t[:, k + 1:] - t[:, 1:-k]) * lower[..., 1:]
-    dphi = k * (_safe_div(lower[..., :-1], t[:, k:-1] - t[:, : -(k + 1)])
-                - _safe_div(lower[..., 1:], t[:, k + 1:] - t[:, 1:-k]))
-    return left + right, dphi
-
-
 def _forward_math(p, x, k, backend, precision, interpret):
     """``y[N, out]`` from ``x[N, in]``; every array already in the compute dtype."""
     out_f, in_f = p["base_weight"].shape
@@ -219,7 +203,7 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
                                                        interpret=interpret)
         dx_spline, dcoef = dx_spline.astype(x.dtype), dcoef.astype(x.dtype)
     else:
-        phi, dphi = _basis_and_derivative(x, p["grid"], k)  # recomputed here, never a residual
+        phi, dphi = bspline_basis_and_derivative(x, p["grid"], k)  # recomputed here, never a residual
         # dC[o,i,m] = sum_b g[b,o] B_m(x_bi)
         dcoef = jnp.matmul(g.T, phi.reshape(n, -1), precision=precision).reshape(out_f, in_f, nb)
         # sum_o g[b,o] sum_m C[o,i,m] B'_m(x_bi)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["bspline_basis", "bspline_basis_derivative", "curve_to_coefficients", "make_grid", "spline_order_of"]
+__all__ = ["bspline_basis", "bspline_basis_and_derivative", "bspline_basis_derivative", "curve_to_coefficients", "make_grid", "spline_order_of"]
 
 
 def make_grid(in_features: int, grid_size: int, spline_order: int, grid_range=(-1.0, 1.0),
@@ -61,16 +61,27 @@ def _safe_div(num, den):
     return jnp.where(den == 0, 0.0, num / jnp.where(den == 0, 1.0, den))
 
 
+def _cox_de_boor_step(xe, t, b, p):
+    """Degree-``p`` bases from the degree-``p-1`` ones ``b`` (the recursion in the module docstring)."""
+    left = _safe_div(xe - t[:, : -(p + 1)], t[:, p:-1] - t[:, : -(p + 1)]) * b[..., :-1]
+    right = _safe_div(t[:, p + 1:] - xe, t[:, p + 1:] - t[:, 1:-p]) * b[..., 1:]
+    return left + right
+
+
 def _bases_of_degree(x, grid, degree):
     """All ``G + 2k - degree`` bases of ``degree`` at ``x[..., in]``: ``[..., in, G + 2k - degree]``."""
     xe = x[..., None]
     t = grid
     b = ((xe >= t[:, :-1]) & (xe < t[:, 1:])).astype(x.dtype)
     for p in range(1, degree + 1):
-        left = _safe_div(xe - t[:, : -(p + 1)], t[:, p:-1] - t[:, : -(p + 1)]) * b[..., :-1]
-        right = _safe_div(t[:, p + 1:] - xe, t[:, p + 1:] - t[:, 1:-p]) * b[..., 1:]
-        b = left + right
+        b = _cox_de_boor_step(xe, t, b, p)
     return b
+
+
+def _derivative_from_lower(t, lower, k):
+    """``dB^k_j/dx = k [B^{k-1}_j/(t_{j+k}-t_j) - B^{k-1}_{j+1}/(t_{j+k+1}-t_{j+1})]`` from the degree-(k-1) bases."""
+    return k * (_safe_div(lower[..., :-1], t[:, k:-1] - t[:, : -(k + 1)])
+                - _safe_div(lower[..., 1:], t[:, k + 1:] - t[:, 1:-k]))
 
 
 def bspline_basis(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
@@ -81,11 +92,16 @@ def bspline_basis(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array
 
 def bspline_basis_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
     """``dB_m/dx`` by the equation in the module docstring: ``[..., in, G+k]``."""
-    k = spline_order
     t = grid.astype(x.dtype)
-    lower = _bases_of_degree(x, t, k - 1)  # [..., in, G+k+1]
-    return k * (_safe_div(lower[..., :-1], t[:, k:-1] - t[:, : -(k + 1)])
-                - _safe_div(lower[..., 1:], t[:, k + 1:] - t[:, 1:-k]))
+    return _derivative_from_lower(t, _bases_of_degree(x, t, spline_order - 1), spline_order)
+
+
+def bspline_basis_and_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -> tuple[jax.Array, jax.Array]:
+    """``(bspline_basis, bspline_basis_derivative)`` sharing one recursion up to degree ``k - 1`` (same operations,
+    so bitwise the same values as the two separate functions)."""
+    t = grid.astype(x.dtype)
+    lower = _bases_of_degree(x, t, spline_order - 1)
+    return _cox_de_boor_step(x[..., None], t, lower, spline_order), _derivative_from_lower(t, lower, spline_order)
 
 
 def curve_to_coefficients(x: jax.Array, y: jax.Array, grid: jax.Array, spline_order: int,
