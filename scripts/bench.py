@@ -234,7 +234,132 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
     return rows
 
 
-SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan}
+# ---------------------------------------------------------------------------------------------------------------
+# CNN: the cryo-EM seed denoiser (1 -> 16 -> 16 -> 1, 3x3, ReLU, MSE)
+# ---------------------------------------------------------------------------------------------------------------
+CNN_CONFIGS = {"small": [dict(batch=2, size=64)], "full": [dict(batch=2, size=1024)]}
+CNN_CHANNELS = (1, 16, 16, 1)
+
+
+def cnn_cost(batch: int, size: int, itemsize: int, channels=CNN_CHANNELS) -> tuple[float, float]:
+    """(flops, bytes_moved) of the denoiser's fwd+bwd (loss and all weight/bias gradients, plus dx of layers 2..L).
+
+    FLOPs: each layer's forward is ``2 * 9 * Cin * Cout`` per pixel and its backward two products of the same
+    size (dW, and dx except for the first layer): 1->16, 16->16, 16->1 at 2x1024^2 is ~14.9 GFLOP.
+    Bytes (the floor of a kernel that reads each tensor once per product): forward reads x_l and writes x_{l+1};
+    backward reads g and y (ReLU mask) and x for dW, writes dx; the last layer's target read and loss; per pixel
+    and channel ``itemsize`` bytes. With fused backward products it is ~0.5 GB in f32 at 2x1024^2.
+    """
+    pixels = batch * size * size
+    flops, elems = 0.0, 0.0
+    for i, (cin, cout) in enumerate(zip(channels[:-1], channels[1:])):
+        products = 3 if i else 2
+        flops += products * 2.0 * 9 * cin * cout * pixels
+        elems += (cin + cout) * pixels          # forward: read x_l, write y_l
+        elems += (cin + 2 * cout) * pixels      # backward: read x_l, g_l, y_l (mask) ...
+        elems += cin * pixels if i else 0.0     # ... and write dx_l
+    elems += 2 * channels[-1] * pixels          # loss: read target, write the cotangent
+    return flops, elems * itemsize
+
+
+def _cnn_variants(precision_name: str) -> dict[str, Callable]:
+    from jaxgrad.cnn import denoiser
+
+    hp = jax.lax.Precision.HIGHEST if precision_name == "highest" else None
+
+    def loss_for(backend):
+        return jax.value_and_grad(lambda p, x, t: denoiser.mse_loss(p, x, t, backend=backend, precision=hp))
+
+    def lax_reference(p, x, t):  # plain XLA convs differentiated by jax.grad (what a JAX user writes)
+        h = x
+        for i, layer in enumerate(p):
+            h = jax.lax.conv_general_dilated(h, layer["w"], (1, 1), "SAME", precision=hp,
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC")) + layer["b"]
+            h = jax.nn.relu(h) if i < len(p) - 1 else h
+        return jnp.mean(jnp.square(h.astype(jnp.float32) - t.astype(jnp.float32)))
+
+    return {"pallas": loss_for("pallas"), "xla custom_vjp": loss_for("xla"),
+            "jax.grad(lax conv)": jax.value_and_grad(lax_reference)}
+
+
+def _torch_denoiser(cfg: dict, dtype_name: str, tf32: bool, repeats: int, warmup: int) -> bm.Row | None:
+    """PyTorch cuDNN autograd of the same network (NCHW, channels_last off), in this run."""
+    try:
+        import torch
+        from torch import nn
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    import time
+
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = True
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    torch.manual_seed(0)
+    layers = []
+    for i, (cin, cout) in enumerate(zip(CNN_CHANNELS[:-1], CNN_CHANNELS[1:])):
+        layers += [nn.Conv2d(cin, cout, 3, padding=1)] + ([nn.ReLU()] if i < len(CNN_CHANNELS) - 2 else [])
+    net = nn.Sequential(*layers).to("cuda", tdt)
+    shape = (cfg["batch"], 1, cfg["size"], cfg["size"])
+    x = torch.randn(shape, device="cuda", dtype=tdt)
+    t = torch.randn(shape, device="cuda", dtype=tdt)
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        loss = torch.mean((net(x).float() - t.float()) ** 2)
+        loss.backward()
+        return loss
+
+    for _ in range(warmup + 2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    flops, bytes_moved = cnn_cost(cfg["batch"], cfg["size"], 2 if dtype_name == "bf16" else 4)
+    return bm.Row(suite="cnn", variant="torch cuDNN autograd", sizes=dict(cfg), dtype=dtype_name,
+                  precision="tf32" if tf32 else "highest", median_ms=times[len(times) // 2],
+                  p10_ms=times[len(times) // 10], p90_ms=times[(9 * len(times)) // 10], min_ms=times[0],
+                  repeats=repeats, peak_bytes=int(torch.cuda.max_memory_allocated()), flops=flops,
+                  bytes_moved=bytes_moved,
+                  notes=f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, allow_tf32={tf32}, "
+                        f"cudnn.benchmark=True")
+
+
+def suite_cnn(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
+    """The seed denoiser fwd+bwd (``value_and_grad`` of the MSE w.r.t. all weights and biases)."""
+    from jaxgrad.cnn import denoiser
+
+    variants = _cnn_variants(precision)
+    rows: list[bm.Row] = []
+    dtypes = (jnp.float32,) if sizes == "small" or precision == "highest" else (jnp.float32, jnp.bfloat16)
+    for cfg in CNN_CONFIGS[sizes]:
+        for dtype in dtypes:
+            params = jax.tree.map(lambda a: a.astype(dtype), denoiser.init(jax.random.key(0)))
+            shape = (cfg["batch"], cfg["size"], cfg["size"], 1)
+            x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+            t = jax.random.normal(jax.random.key(2), shape, jnp.float32).astype(dtype)
+            flops, bytes_moved = cnn_cost(cfg["batch"], cfg["size"], jnp.dtype(dtype).itemsize)
+            rows += bm.run_variants("cnn", variants, (params, x, t), sizes=dict(cfg), flops=flops,
+                                    bytes_moved=bytes_moved, precision=precision,
+                                    floor_precision="highest" if precision == "highest" else "tf32",
+                                    warmup=warmup, repeats=repeats)
+            if sizes == "full":
+                row = _torch_denoiser(cfg, "bf16" if dtype == jnp.bfloat16 else "f32",
+                                      tf32=precision != "highest", repeats=repeats, warmup=warmup)
+                if row is not None:
+                    rows.append(row)
+    return rows
+
+
+SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan, "cnn": suite_cnn}
 
 
 # ---------------------------------------------------------------------------------------------------------------

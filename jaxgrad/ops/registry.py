@@ -21,5 +21,5 @@ def all_audit_cases() -> tuple[OpAudit, ...]:
     """The audit cases of every op in the package, in a fixed order."""
     import importlib
 
-    modules = ("jaxgrad.ops.swiglu", "jaxgrad.kan.layer")
+    modules = ("jaxgrad.ops.swiglu", "jaxgrad.kan.layer", "jaxgrad.cnn.conv")
     return tuple(case for m in modules for case in importlib.import_module(m).audit_cases())
