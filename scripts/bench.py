@@ -278,7 +278,12 @@ def _cnn_variants(precision_name: str) -> dict[str, Callable]:
             h = jax.nn.relu(h) if i < len(p) - 1 else h
         return jnp.mean(jnp.square(h.astype(jnp.float32) - t.astype(jnp.float32)))
 
-    return {"pallas": loss_for("pallas"), "xla custom_vjp": loss_for("xla"),
+    extra = {}
+    if precision_name == "highest":  # f32-accurate on tensor cores: three TF32 products (split hi/lo operands)
+        x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        extra["pallas 3xTF32"] = jax.value_and_grad(
+            lambda p, x, t: denoiser.mse_loss(p, x, t, backend="pallas", precision=x3))
+    return {**extra, "pallas": loss_for("pallas"), "xla custom_vjp": loss_for("xla"),
             "jax.grad(lax conv)": jax.value_and_grad(lax_reference)}
 
 

@@ -30,6 +30,17 @@ BF16_U = 2.0**-8
 HP = jax.lax.Precision.HIGHEST
 
 
+@pytest.fixture(autouse=True)
+def _interpret_tests_run_on_the_cpu(request):
+    """On a GPU machine the interpret-mode tests still run on its CPU: there XLA's default f32 dot precision is
+    TF32, which the exact-f32 tolerances of these tests do not allow. ``gpu`` tests run on the GPU."""
+    if "gpu" in request.keywords or jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs, float64 reference, magnitudes
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,6 +291,8 @@ GPU_MODES = {  # name: (dtype, precision, k_op, u_op)
     "f32-tf32": (jnp.float32, None, 8, TF32_U),
     "f32-highest": (jnp.float32, HP, 0, 0.0),
     "bf16": (jnp.bfloat16, None, 2, BF16_U),
+    # three TF32 products per f32 product (hi*hi + hi*lo + lo*hi; lo*lo dropped): ~2^-21 per product
+    "f32-3xtf32": (jnp.float32, jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, 8, 2.0 ** -21),
 }
 
 

@@ -53,9 +53,24 @@ class LeafResult:
     bound_source: str
     n_terms: int
     kappa: float  # ||sum|terms| || / ||g*||: the normwise condition number of this gradient
-    passed: bool
+    passed: bool  # both gates: per entry (normalized_err <= bound) and, for as-called rows, the rounding witness
     verdict: str
     diagnosis: Diagnosis | None
+    # The rounding witness (as-called rows only; None for float64 rows or where the reference cannot run as called):
+    ref_rel_err: float | None = None  # ||g_ref - g*|| / ||g*|| of the reference's own VJP at the as-called precision
+    witness_limit: float | None = None  # rel_err above this fails: max(100 ref_rel_err, 100 u_op, 0.01)
+    witness_passed: bool = True
+
+    @property
+    def per_entry_passed(self) -> bool:
+        return self.normalized_err <= self.bound
+
+    @property
+    def witness_ratio(self) -> float | None:
+        """rel_err / ref_rel_err: how far above the reference's own rounding this gradient is."""
+        if self.ref_rel_err is None:
+            return None
+        return self.rel_err / self.ref_rel_err if self.ref_rel_err > 0 else float("inf")
 
     @property
     def diagnosis_kind(self) -> str | None:
@@ -66,6 +81,16 @@ def _fmt_table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return [line(header), "  " + "  ".join("-" * w for w in widths), *[line(r) for r in rows]]
+
+
+def _verdict_cell(lf: LeafResult) -> str:
+    if lf.passed:
+        return "matches to rounding"
+    if not lf.per_entry_passed:
+        return f"BUG ({lf.normalized_err / lf.bound:.1e}x bound)"
+    ratio = lf.witness_ratio
+    times = "inf" if ratio is None or ratio == float("inf") else f"{ratio:.1e}"
+    return f"BUG (normwise {lf.rel_err:.3g} = {times}x the reference's own rounding)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,18 +126,23 @@ class VJPReport:
                f"  as called: precision {self.precision.precision} -- {self.precision.source}",
                f"  float64 re-run: {self.float64_status}",
                "  gradients vs the float64 reference (error per entry divided by its sum of |terms|):"]
-        rows = [[lf.name, "x".join(map(str, lf.shape)) or "()", lf.run, f"{lf.rel_err:.2e}", f"{lf.cosine:.6f}",
-                 f"{lf.normalized_err:.2e}", str(lf.n_terms), f"{lf.bound:.1e}",
-                 "matches to rounding" if lf.passed else f"BUG ({lf.normalized_err / lf.bound:.1e}x bound)"]
+        rows = [[lf.name, "x".join(map(str, lf.shape)) or "()", lf.run, f"{lf.rel_err:.2e}",
+                 "-" if lf.ref_rel_err is None else f"{lf.ref_rel_err:.1e}", f"{lf.cosine:.6f}",
+                 f"{lf.normalized_err:.2e}", str(lf.n_terms), f"{lf.bound:.1e}", _verdict_cell(lf)]
                 for lf in self.leaves]
-        out += _fmt_table(["leaf", "shape", "run", "rel.err(norm)", "cosine", "max err/sum|t|", "N", "bound",
-                           "verdict"], rows)
+        out += _fmt_table(["leaf", "shape", "run", "rel.err(norm)", "ref rel.err", "cosine", "max err/sum|t|", "N",
+                           "bound", "verdict"], rows)
         sources = {lf.run: lf.bound_source for lf in self.leaves}
         out.append("  bound = " + "; ".join(f"{run} run: {src}" for run, src in sources.items())
                    + "  (N: longest accumulation behind the gradient)")
+        if any(lf.ref_rel_err is not None for lf in self.leaves):
+            out.append(f"  rounding witness ({self.precision.precision} rows): ref rel.err = the reference's own VJP "
+                       "at the same dtypes/precision vs float64; a leaf also fails when rel.err > max(100 x ref "
+                       f"rel.err, 100 u_op = {100 * self.precision.u_op:.2g}, 0.01)")
         if self.failures:
             out.append("  diagnosis:")
-            out += [f"    - {lf.name} ({lf.run}): {lf.diagnosis.message if lf.diagnosis else lf.verdict}"
+            out += [f"    - {lf.name} ({lf.run}): "
+                    + (lf.verdict if lf.per_entry_passed or not lf.diagnosis else lf.diagnosis.message)
                     for lf in self.failures]
         out.append("  checks:")
         out += [f"    [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks]
@@ -122,7 +152,8 @@ class VJPReport:
         if self.passed:
             out.append("  VERDICT: PASS -- every gradient matches the reference to rounding")
         else:
-            bad = [f"{lf.name} ({lf.run})" for lf in self.failures] + [c.name for c in self.checks if not c.passed]
+            bad = [f"{lf.name} ({lf.run}{'' if not lf.per_entry_passed else ', rounding witness'})"
+                   for lf in self.failures] + [c.name for c in self.checks if not c.passed]
             out.append("  VERDICT: FAIL -- " + ", ".join(bad))
         return "\n".join(out)
 
