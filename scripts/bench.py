@@ -271,11 +271,7 @@ def _cnn_variants(precision_name: str) -> dict[str, Callable]:
         return jax.value_and_grad(lambda p, x, t: denoiser.mse_loss(p, x, t, backend=backend, precision=hp))
 
     def lax_reference(p, x, t):  # plain XLA convs differentiated by jax.grad (what a JAX user writes)
-        h = x
-        for i, layer in enumerate(p):
-            h = jax.lax.conv_general_dilated(h, layer["w"], (1, 1), "SAME", precision=hp,
-                                             dimension_numbers=("NHWC", "HWIO", "NHWC")) + layer["b"]
-            h = jax.nn.relu(h) if i < len(p) - 1 else h
+        h = denoiser.apply_lax(p, x, precision=hp)
         return jnp.mean(jnp.square(h.astype(jnp.float32) - t.astype(jnp.float32)))
 
     extra = {}

@@ -107,6 +107,18 @@ def apply(params: Params, x: jax.Array, *, residual: bool = False, backend: str 
     return x + h if residual else h
 
 
+def apply_lax(params: Params, x: jax.Array, *, precision: Any = None) -> jax.Array:
+    """The same network as plain ``lax.conv_general_dilated`` + bias + ReLU, no custom VJP: what a JAX user would
+    write, differentiated by JAX's own transpose rules (the benchmark's baseline, the precision study's oracle)."""
+    h = x
+    for i, layer in enumerate(params):
+        h = jax.lax.conv_general_dilated(h, layer["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                         precision=precision) + layer["b"]
+        if i < len(params) - 1:
+            h = jax.nn.relu(h)
+    return h
+
+
 def mse_loss(params: Params, x: jax.Array, target: jax.Array, *, residual: bool = False, backend: str = "xla",
              precision: Any = None) -> jax.Array:
     """Mean squared error of the denoised ``x`` against ``target`` (same shape)."""

@@ -110,17 +110,6 @@ def _data(size: int, batch: int, seed: int, cfg: denoiser.DenoiserConfig):
     return x, t
 
 
-def _apply_conv(params, x):
-    """The denoiser as plain ``lax.conv_general_dilated`` + bias + ReLU: no custom VJP, JAX's own transpose rules."""
-    h = x
-    for i, layer in enumerate(params):
-        h = jax.lax.conv_general_dilated(h, layer["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                         precision=jax.lax.Precision.HIGHEST) + layer["b"]
-        if i < len(params) - 1:
-            h = jax.nn.relu(h)
-    return h
-
-
 ORACLES = ("conv", "einsum")
 
 
@@ -131,7 +120,7 @@ def _loss64(params, x, t, oracle: str = "conv"):
     ``backend="reference"`` (one einsum per tap, no convolution primitive at all; ~2x slower to compile).
     """
     if oracle == "conv":
-        y = _apply_conv(params, x)
+        y = denoiser.apply_lax(params, x, precision=jax.lax.Precision.HIGHEST)
     else:
         y = denoiser.apply(params, x, backend="reference", precision=jax.lax.Precision.HIGHEST)
     return jnp.mean(jnp.square(y - t))
