@@ -51,10 +51,14 @@ def test_bug_rows_are_orders_of_magnitude_above_rounding(rows):
     bugs = _kind(rows, "bug")
     assert {r["bug"] for r in bugs} == set(cp.BUGS)
     assert {r["layer_index"] for r in bugs if r["bug"] == "swap-io"} == {1}  # only 16->16 has Cin == Cout
-    worst_rounding = max(max(r["w_rel_err"], r["b_rel_err"]) for r in _kind(rows, "rounding"))
+    rnd = _kind(rows, "rounding")
+    worst_f32 = max(max(r["w_rel_err"], r["b_rel_err"]) for r in rnd if r["effective_precision"] == "f32")
+    worst_any = max(max(r["w_rel_err"], r["b_rel_err"]) for r in rnd)  # TF32 rows included on a GPU
     for r in bugs:
         assert r["w_rel_err"] >= 1e-2 and r["w_max_abs_ratio"] >= 1e-2, (r["bug"], r["layer"], r["w_rel_err"])
-        assert r["w_rel_err"] >= 1e3 * worst_rounding
+        assert r["w_rel_err"] >= 1e3 * worst_f32  # exact f32 rounding: >= 3 orders of magnitude below any bug
+        # TF32 rounding (GPU) is ~1e-2 at these sizes (H100: 6.2e-3 at 8^2/16^2, 1.1e-2 at 64^2): >= 30x below
+        assert r["w_rel_err"] >= 30 * worst_any
         assert r["w_rel_over_highest"] >= 1e3
 
 
@@ -97,5 +101,7 @@ def test_notebook_executes_and_verifier_names_the_flip(capsys):
     correct, flipped = namespace["demo"]
     assert correct["passed"] and correct["w_diagnosis"] is None
     assert not flipped["passed"] and flipped["w_diagnosis"] == "flip"
-    assert flipped["w_normalized_err"] > 1e3 * flipped["w_bound"]
+    # Far outside the bound: > 1e3x at exact f32 (CPU); 75x at the looser TF32 bound (H100), whose ReLU kink term
+    # (pre-activations within TF32 rounding of zero) widens the bound of the entries they feed
+    assert flipped["w_normalized_err"] > 30 * flipped["w_bound"]
     assert "Verdict:" in capsys.readouterr().out

@@ -91,7 +91,10 @@ def test_correct_denoiser_passes_both_gates(cnn_args):
     assert rep.passed, str(rep)
     for lf in rep.leaves:
         assert lf.ref_rel_err is not None and lf.witness_passed
-        assert lf.rel_err <= 10 * lf.ref_rel_err + 1e-6, str(rep)  # same rounding as the reference, within 10x
+        if rep.precision.precision == "f32":  # CPU: same rounding as the reference, within 10x
+            assert lf.rel_err <= 10 * lf.ref_rel_err + 1e-6, str(rep)
+        # On a GPU the custom VJP's convs run TF32 (rel. err 2e-3..2.5e-2 on an H100) while the reference's small
+        # per-tap einsums do not (~1e-7): only the witness limit (100 u_tf32 = 0.049) applies, asserted above.
     assert "ref rel.err" in str(rep)
 
 
@@ -107,7 +110,7 @@ def test_flipped_weight_gradient_passes_per_entry_but_fails_the_witness(cnn_args
     assert not rep.passed
     text = str(rep)
     assert "rounding witness" in text and "the reference's own rounding" in text
-    assert f"params[{layer}]['w'] (f32, rounding witness)" in text
+    assert f"params[{layer}]['w'] ({rep.precision.precision}, rounding witness)" in text
     assert "spatial flip" in text
     for lf in rep.leaves:  # every other leaf (dx is correct) passes
         if lf is not bad:

@@ -10,6 +10,8 @@ by re-interpreting its jaxpr with a running error bound (Wilkinson's running err
   slices, selects ...) are applied to the magnitudes: :math:`M(a b) = M(a) M(b)`, :math:`M(a \pm b) = M(a) + M(b)`,
   :math:`M(A B) = M(A) M(B)` (the matrix product of magnitudes is exactly :math:`\sum|a_{ik} b_{kj}|` at the top
   level). For a conv or matmul VJP this is the "one extra VJP on absolute values".
+* ``max``/``min`` (and their reductions) select one operand, and a rounded run may select the other:
+  :math:`M(\max(a, b)) = \max(M(a), M(b))`.
 * elementwise nonlinear primitives :math:`f` start a fresh rounding at their output and pass input errors through
   their slope: :math:`M(f(a)) = |f(a)| + |f'(a)|\,M(a)` (one JVP per input).
 * call primitives (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are entered recursively.
@@ -20,14 +22,33 @@ Alongside :math:`M` it tracks :math:`N(v)`, the length of the longest chain of a
 (contraction sizes of dots and convs, reduced element counts), from which the error model takes its
 :math:`\sqrt{N}` growth of accumulated rounding.
 
+**Kinks** (``kink_bound`` given). A comparison on *rounded* values (``z > 0`` in ReLU's derivative, ``x == max(x,
+y)`` in ``max``'s, a knot test on a hidden activation) can come out the other way in a low-precision run when its
+operands differ by less than their rounding error. The branch a ``select`` (or a bool-to-float mask) then takes
+differs, and the result changes by the *jump* between the branches -- O(1) times the terms, not O(u). First-order
+rounding analysis has no such term, so it is tracked separately, as an absolute bound :math:`K(v)`:
+
+* a comparison ``a < b`` (``>``, ``<=``, ``>=``, ``==``, ``!=``) is *uncertain* where
+  :math:`|a - b| \le r(N)\,(M(a) + M(b)) + K(a) + K(b)`, with :math:`r(N) =` ``kink_bound(N)`` the relative rounding
+  radius of the run under test; operands that are inputs or pure data movement of inputs are exact (no rounding,
+  so never uncertain by themselves);
+* ``select_n(p, a, b)`` on an uncertain ``p`` adds the jump :math:`|a - b|`; a bool converted to float adds 1;
+* :math:`K` then propagates like a first-order error: :math:`K(a \pm b) = K(a) + K(b)`,
+  :math:`K(ab) = K(a)|b| + |a|K(b)` (dots and convs alike), :math:`K(f(a)) = |f'(a)|K(a)`, data movement moves it.
+
+A correct low-precision gradient then satisfies :math:`|\hat g - g| \le r(N) M(g) + K(g)`. The first-order
+propagation treats flips of different comparisons as independent, so where jumps cancel (two indicator bases of a
+B-spline flipping together at a knot) :math:`K` overestimates: the bound loosens at those few entries only.
+
 The interpreter is itself ordinary JAX code and is jit-compiled; run it in float64 for a faithful scale.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +68,16 @@ _MULTILINEAR = {
 }
 _NEGATING = {"sub", "neg"}  # magnitudes add; applied as add / identity
 _REDUCE_SELECT = {"reduce_max", "reduce_min", "cummax", "cummin"}  # one selected term: take the largest magnitude
+_ELEMENTWISE_SELECT = {"max", "min"}  # likewise, elementwise
+# Pure data movement: the output is exact when every floating input is (an input, a literal, or data moved from them).
+_DATA_MOVEMENT = {
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
+    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "select_n", "copy", "copy_p", "real", "split",
+    "sharding_constraint", "optimization_barrier", "device_put",
+}
+_PRODUCTS = {"mul", "dot_general", "conv_general_dilated"}  # bilinear: K(ab) = K(a)|b| + |a|K(b)
+_COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
+_BOOL_LOGIC = {"and", "or", "not", "xor"}
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
           "remat": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None}
@@ -60,6 +91,14 @@ class MagnitudeResult:
     magnitudes: list[jax.Array]
     terms: list[int]  # N: longest accumulation chain behind each output (max over its entries)
     approximated: tuple[str, ...]  # primitives whose magnitude rule is the generic fallback
+    # Comparison primitives seen on rounded floating operands (where a low-precision run may take the other branch)
+    rounded_comparisons: tuple[str, ...] = ()
+    # K per output (absolute bound of the branch-flip error; zeros without kink_bound), and per output the number of
+    # entries with K > 0
+    kinks: list[jax.Array] | None = None
+    kink_counts: list[int] | None = None
+    # Entries of rounded comparisons that may come out the other way (summed over the comparisons), with kink_bound
+    uncertain_comparisons: int = 0
 
 
 def _is_float(x) -> bool:
@@ -94,22 +133,40 @@ def _broadcasts_to(shape, target) -> bool:
         return False
 
 
+class _State(NamedTuple):
+    """What the interpreter knows of one value: the value, its sum of |terms| (None for non-floats), its
+    accumulation length N, its kink term (None = none; a float array K >= 0 for floats, a bool array "uncertain"
+    for comparison results) and whether it is exact (an input or data moved from inputs: never rounded)."""
+
+    val: Any
+    mag: Any
+    n: int
+    kink: Any = None
+    exact: bool = False
+
+
+def _zeros_like_kink(v):
+    return jnp.zeros(jnp.shape(v), jnp.result_type(v))
+
+
 class _Interpreter:
-    def __init__(self):
+    def __init__(self, kink_bound: Callable[[int], float] | None = None):
         self.approximated: set[str] = set()
+        self.rounded_comparisons: set[str] = set()
+        self.kink_bound = kink_bound
+        self.uncertain: list[jax.Array] = []  # per comparison: how many of its entries are uncertain (traced)
 
-    def run(self, jaxpr: jcore.Jaxpr, consts, args):
-        """args: list of (value, magnitude or None, N). Returns list of the same for the outputs."""
-        env: dict[Any, tuple[Any, Any, int]] = {}
+    def run(self, jaxpr: jcore.Jaxpr, consts, args: Sequence[_State]) -> list[_State]:
+        env: dict[Any, _State] = {}
 
-        def read(v):
+        def read(v) -> _State:
             if isinstance(v, jcore.Literal):
                 val = np.asarray(v.val, dtype=v.aval.dtype)
-                return val, (np.abs(val) if _is_float(val) else None), 0
+                return _State(val, np.abs(val) if _is_float(val) else None, 0, None, True)
             return env[v]
 
         for var, c in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = (c, jnp.abs(c) if _is_float(c) else None, 0)
+            env[var] = _State(c, jnp.abs(c) if _is_float(c) else None, 0, None, True)
         for var, a in zip(jaxpr.invars, args, strict=True):
             env[var] = a
         for eqn in jaxpr.eqns:
@@ -120,11 +177,95 @@ class _Interpreter:
                     env[var] = o
         return [read(v) for v in jaxpr.outvars]
 
-    def eqn(self, eqn, ins):
+    # -- kinks ------------------------------------------------------------------------------------------------
+    def _comparison_kink(self, prim, ins):
+        """Uncertain mask of a float comparison (None when certain everywhere or kinks are off)."""
+        a, b = ins
+        if not (_is_float(a.val) and _is_float(b.val)) or (a.exact and b.exact and a.kink is None
+                                                           and b.kink is None):
+            return None
+        self.rounded_comparisons.add(prim)
+        if self.kink_bound is None:
+            return None
+        r = self.kink_bound(max(a.n, b.n))
+        radius = 0.0
+        for s in (a, b):
+            if not s.exact:
+                radius = radius + r * s.mag
+            if s.kink is not None:
+                radius = radius + s.kink
+        mask = jnp.abs(a.val - b.val) <= radius
+        self.uncertain.append(jnp.count_nonzero(mask))
+        return mask
+
+    def _kink_out(self, primitive, params, ins, vals, outvals):
+        """K of a primitive's outputs (list, None entries = no kink), or None when no input carries one."""
+        if all(s.kink is None for s in ins) or self.kink_bound is None:
+            return None
+        prim = primitive.name
+
+        def bind(*ops):
+            return primitive.bind(*ops, **params)
+
+        if prim in _BOOL_LOGIC:
+            u = None
+            for s in ins:
+                if s.kink is not None:
+                    u = s.kink if u is None else (u | s.kink)
+            return [u]
+        if prim == "select_n":
+            pred, cases = ins[0], ins[1:]
+            ks = [s.kink if s.kink is not None else _zeros_like_kink(s.val) for s in cases]
+            k = bind(pred.val, *ks)
+            if pred.kink is not None:
+                cv = [jnp.asarray(s.val) for s in cases]
+                jump = functools.reduce(jnp.maximum, [jnp.abs(x - y) for x in cv for y in cv])
+                kmax = functools.reduce(jnp.maximum, ks)
+                k = k + jnp.where(pred.kink, jump + kmax, jnp.zeros_like(k))
+            return [k]
+        if prim == "convert_element_type":
+            s = ins[0]
+            if not _is_float(outvals[0]):
+                return [s.kink] if s.kink is not None and s.kink.dtype == jnp.bool_ else None
+            if s.kink is not None and s.kink.dtype == jnp.bool_:  # a mask: flips between 0 and 1
+                return [s.kink.astype(outvals[0].dtype)]
+            return [s.kink.astype(outvals[0].dtype)] if s.kink is not None else None
+        if not any(_is_float(o) for o in outvals):
+            return None
+        float_kinks = [s.kink if (s.kink is not None and _is_float(s.val)) else None for s in ins]
+        if all(k is None for k in float_kinks):
+            return None
+        if prim in _PRODUCTS:  # bilinear: sum over operands of f(|.|, ..., K_i, ..., |.|)
+            total = None
+            for i, k in enumerate(float_kinks):
+                if k is None:
+                    continue
+                ops = [k if j == i else (jnp.abs(s.val) if _is_float(s.val) else s.val) for j, s in enumerate(ins)]
+                t = bind(*ops)
+                total = t if total is None else total + t
+            return [jnp.abs(total)]
+        if prim in _MULTILINEAR or prim in _NEGATING or prim in _REDUCE_SELECT:
+            ops = [(k if k is not None else _zeros_like_kink(s.val)) if _is_float(s.val) else s.val
+                   for s, k in zip(ins, float_kinks)]
+            if prim == "sub":
+                k = jax.lax.add(*ops)
+            elif prim == "neg":
+                k = ops[0]
+            elif prim == "reduce_min":
+                k = jax.lax.reduce_max_p.bind(*ops, **params)
+            else:
+                k = bind(*ops)
+            ks = list(k) if isinstance(k, (list, tuple)) else [k]
+            return [jnp.abs(kk) if _is_float(o) else None for kk, o in zip(ks, outvals, strict=True)]
+        return None  # elementwise nonlinear: handled with the JVPs in eqn()
+
+    def eqn(self, eqn, ins: list[_State]) -> list[_State]:
         prim = eqn.primitive.name
         params = dict(eqn.params)
-        vals = [v for v, _, _ in ins]
-        n_in = max([n for _, _, n in ins], default=0)
+        vals = [s.val for s in ins]
+        n_in = max([s.n for s in ins], default=0)
+        float_ins = [s for s in ins if _is_float(s.val)]
+        exact_in = all(s.exact for s in float_ins)
 
         if prim in _CALLS:
             sub = params.get(_CALLS[prim]) if _CALLS[prim] else None
@@ -136,13 +277,22 @@ class _Interpreter:
         outvals = eqn.primitive.bind(*vals, **params)
         outvals = list(outvals) if eqn.primitive.multiple_results else [outvals]
         if not any(_is_float(o) for o in outvals):
-            return [(o, None, 0) for o in outvals]
+            if prim in _COMPARISONS:
+                return [_State(outvals[0], None, 0, self._comparison_kink(prim, ins), False)]
+            kinks = self._kink_out(eqn.primitive, params, ins, vals, outvals) if prim in _BOOL_LOGIC or \
+                prim == "convert_element_type" else None
+            return [_State(o, None, 0, (kinks[i] if kinks else None), False) for i, o in enumerate(outvals)]
 
         def mag_or_abs(i):
-            _, m, _ = ins[i]
+            m = ins[i].mag
             return m if m is not None else (jnp.abs(vals[i]) if _is_float(vals[i]) else vals[i])
 
         n_out = n_in + _contraction_size(prim, params, vals)
+        exact_out = exact_in and (prim in _DATA_MOVEMENT or (
+            prim == "convert_element_type" and jnp.dtype(params["new_dtype"]) == jnp.float64))
+        kinks = self._kink_out(eqn.primitive, params, ins, vals, outvals)
+        if kinks is None:
+            kinks = [None] * len(outvals)
         if prim in _MULTILINEAR or prim in _NEGATING:
             mags = [mag_or_abs(i) for i in range(len(ins))]
             if prim == "sub":
@@ -152,13 +302,25 @@ class _Interpreter:
             else:
                 m = eqn.primitive.bind(*mags, **params)
             ms = list(m) if eqn.primitive.multiple_results else [m]
-            return [(o, jnp.abs(mm) if _is_float(o) else None, n_out) for o, mm in zip(outvals, ms, strict=True)]
+            return [_State(o, jnp.abs(mm) if _is_float(o) else None, n_out, k, exact_out)
+                    for o, mm, k in zip(outvals, ms, kinks, strict=True)]
         if prim in _REDUCE_SELECT:
             m = eqn.primitive.bind(mag_or_abs(0), **params) if prim != "reduce_min" else \
                 jax.lax.reduce_max_p.bind(mag_or_abs(0), **params)
-            return [(outvals[0], jnp.abs(m), n_in)]
+            return [_State(outvals[0], jnp.abs(m), n_in, kinks[0], exact_out)]
+        if prim in _ELEMENTWISE_SELECT and len(float_ins) == len(ins) == 2:
+            # max(a, b) picks one operand, and a rounded run may pick the other one: M = max(M(a), M(b)) (>= |y|;
+            # the slope rule would give M = 0 to max(z, 0) at z < 0, where a TF32 z can come out positive).
+            # Continuous, so the kink term is max(K(a), K(b)).
+            m = jnp.maximum(mag_or_abs(0), mag_or_abs(1))
+            k = None
+            if self.kink_bound is not None and any(s.kink is not None for s in ins):
+                ka, kb = (s.kink if s.kink is not None else _zeros_like_kink(s.val) for s in ins)
+                k = jnp.maximum(ka, kb)
+            return [_State(outvals[0], jnp.broadcast_to(m, np.shape(outvals[0])), n_in, k, exact_out)]
 
-        # Elementwise (or unknown) nonlinear primitive: M(y) = |y| + sum_k |dy/dx_k| M(x_k), one JVP per input.
+        # Elementwise (or unknown) nonlinear primitive: M(y) = |y| + sum_k |dy/dx_k| M(x_k), one JVP per input;
+        # the same for the kink term, K(y) = sum_k |dy/dx_k| K(x_k).
         float_idx = [i for i, v in enumerate(vals) if _is_float(v)]
         out_shape = np.shape(outvals[0])
         elementwise = (not eqn.primitive.multiple_results) and all(
@@ -169,42 +331,63 @@ class _Interpreter:
         def f(*xs):
             return eqn.primitive.bind(*xs, **params)
 
+        def abs_jvp(i, t):
+            tangents = [jnp.zeros_like(v) if _is_float(v) else np.zeros(np.shape(v), jax.dtypes.float0)
+                        for v in vals]
+            tangents[i] = jnp.broadcast_to(t, np.shape(vals[i])).astype(vals[i].dtype)
+            _, t_out = jax.jvp(f, vals, tangents)
+            return list(t_out) if eqn.primitive.multiple_results else [t_out]
+
         mags_out = [jnp.abs(o) if _is_float(o) else None for o in outvals]
+        kinks_out = [None] * len(outvals)
         try:
             for i in float_idx:
-                tangents = [jnp.zeros_like(v) if _is_float(v) else np.zeros(np.shape(v), jax.dtypes.float0)
-                            for v in vals]
-                tangents[i] = jnp.broadcast_to(mag_or_abs(i), np.shape(vals[i])).astype(vals[i].dtype)
-                _, t_out = jax.jvp(f, vals, tangents)
-                t_out = list(t_out) if eqn.primitive.multiple_results else [t_out]
+                t_out = abs_jvp(i, mag_or_abs(i))
                 mags_out = [m if m is None or not _is_float(t) else m + jnp.abs(t)
                             for m, t in zip(mags_out, t_out, strict=True)]
+                if ins[i].kink is not None and self.kink_bound is not None:
+                    k_out = abs_jvp(i, ins[i].kink)
+                    kinks_out = [None if not _is_float(t) else (jnp.abs(t) if k is None else k + jnp.abs(t))
+                                 for k, t in zip(kinks_out, k_out, strict=True)]
         except Exception:  # no JVP rule: keep |y| only, and say so
             self.approximated.add(prim)
-        return [(o, m, n_in + 1) for o, m in zip(outvals, mags_out, strict=True)]
+        return [_State(o, m, n_in + 1, k, False) for o, m, k in zip(outvals, mags_out, kinks_out, strict=True)]
 
 
-def magnitudes(fn: Callable[..., Any], *args: Any) -> MagnitudeResult:
+def magnitudes(fn: Callable[..., Any], *args: Any, kink_bound: Callable[[int], float] | None = None
+               ) -> MagnitudeResult:
     """Evaluate ``fn(*args)`` together with the sum of |terms| of every output entry.
 
     Args:
       fn: any JAX-traceable function (e.g. ``lambda *a: jax.vjp(ref, *a[:-1])[1](a[-1])`` for a VJP).
       *args: pytrees of arrays. Run under ``jax.enable_x64(True)`` with float64 arrays for a faithful scale.
+      kink_bound: ``N -> r(N)``, the relative forward rounding radius of the run under test (e.g.
+        ``ErrorModel.bound``). Given, the result also carries the kink term ``K`` of every output (module doc).
 
     Returns:
       A :class:`MagnitudeResult` over the flattened outputs.
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     flat_args = jax.tree.leaves(args)
-    interp = _Interpreter()
+    interp = _Interpreter(kink_bound)
     n_holder: list[list[int]] = []
 
     def run(consts, flat):
-        ins = [(a, jnp.abs(a) if _is_float(a) else None, 0) for a in flat]
+        ins = [_State(a, jnp.abs(a) if _is_float(a) else None, 0, None, True) for a in flat]
         outs = interp.run(closed.jaxpr, consts, ins)
-        n_holder.append([n for _, _, n in outs])
-        return [v for v, _, _ in outs], [m if m is not None else jnp.zeros(jnp.shape(v)) for v, m, _ in outs]
+        n_holder.append([s.n for s in outs])
+        kinks = [s.kink.astype(jnp.result_type(s.val)) if (s.kink is not None and _is_float(s.val))
+                 else jnp.zeros(jnp.shape(s.val)) for s in outs]
+        uncertain = sum(interp.uncertain, jnp.zeros((), jnp.int32))
+        return ([s.val for s in outs], [s.mag if s.mag is not None else jnp.zeros(jnp.shape(s.val)) for s in outs],
+                kinks, uncertain)
 
-    values, mags = jax.jit(run)(closed.consts, flat_args)
-    return MagnitudeResult(values=list(values), magnitudes=list(mags), terms=n_holder[-1],
-                           approximated=tuple(sorted(interp.approximated)))
+    values, mags, kinks, uncertain = jax.jit(run)(closed.consts, flat_args)
+    result = MagnitudeResult(values=list(values), magnitudes=list(mags), terms=n_holder[-1],
+                             approximated=tuple(sorted(interp.approximated)),
+                             rounded_comparisons=tuple(sorted(interp.rounded_comparisons)))
+    if kink_bound is not None:
+        result = dataclasses.replace(result, kinks=list(kinks),
+                                     kink_counts=[int(np.count_nonzero(np.asarray(k))) for k in kinks],
+                                     uncertain_comparisons=int(uncertain))
+    return result

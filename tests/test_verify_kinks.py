@@ -1,0 +1,167 @@
+"""Kinks: a low-precision run may take the other side of a ReLU (or any comparison) that the float64 reference takes.
+
+Where a pre-activation lies within rounding of zero, TF32 and float64 can disagree on its sign; the gradient then
+differs by the whole term ``g * x`` that the mask lets through or stops, O(1) times the terms, not O(u). That is
+rounding, not a bug (on an H100 the Pallas conv's TF32 gradients were 1.1e-2 off the float64 reference normwise
+with 8 flipped masks, and 2.9e-4 off a float64 reference that used the kernel's own mask). The verifier's bound
+therefore adds, per gradient entry, the jump ``K`` the uncertain comparisons can cause (jaxgrad/verify/magnitude.py),
+and a real bug still fails next to such flips.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrad.verify import check_vjp, magnitudes
+from jaxgrad.verify.precision import ErrorModel
+
+B, K_IN, OUT = 64, 24, 16
+N_NEAR_ZERO = 32  # rows given a pre-activation at exactly zero (in float64): its sign in TF32 is a coin toss
+
+
+def _tf32(a):
+    """Round to TF32 operands (10 mantissa bits), as tensor cores do with f32 inputs."""
+    return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=10)
+
+
+def relu_layer_tf32(x, w):
+    """A correct TF32 layer: its VJP (by autodiff) applies the mask of its *own* rounded pre-activation."""
+    return jax.nn.relu(_tf32(x) @ _tf32(w))
+
+
+def relu_layer(x, w):
+    return jax.nn.relu(x @ w)
+
+
+def _near_zero_inputs(seed=0):
+    """x, w, g with N_NEAR_ZERO pre-activations z[b, o] = 0 exactly in float64 (x[b] projected off w[:, o])."""
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = np.asarray(jax.random.normal(kx, (B, K_IN)), np.float64)
+    w = np.asarray(jax.random.normal(kw, (K_IN, OUT)) / K_IN ** 0.5, np.float64)
+    for r in range(N_NEAR_ZERO):
+        col = w[:, r % OUT]
+        x[r] -= (x[r] @ col) / (col @ col) * col
+    g = jax.random.normal(kg, (B, OUT))
+    return jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), g
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return _near_zero_inputs()
+
+
+def test_the_tf32_layer_really_flips_masks(inputs):
+    x, w, _ = inputs
+    z64 = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    y = np.asarray(relu_layer_tf32(x, w))
+    assert int(np.sum((y > 0) != (z64 > 0))) >= 5
+
+
+def test_flips_within_rounding_pass_with_the_kink_term(inputs):
+    x, w, g = inputs
+    # At the TF32 bound (the tightest that applies; left to itself the verifier may judge the run coarser, bf16,
+    # from the forward mismatch, which only loosens the bound).
+    rep = check_vjp(relu_layer_tf32, relu_layer, x, w, cotangent=g, precision="tf32")
+    assert rep.passed, str(rep)
+    assert any(n.startswith("kinks:") for n in rep.notes)
+    assert check_vjp(relu_layer_tf32, relu_layer, x, w, cotangent=g).passed
+
+
+def test_without_the_kink_term_the_same_run_would_fail(inputs):
+    """The test above is not trivially true: sum|terms| alone would call these flips a bug."""
+    x, w, g = inputs
+    _, pull = jax.vjp(relu_layer_tf32, x, w)
+    dx, dw = pull(g)
+    with jax.enable_x64(True):
+        a64 = [jnp.asarray(a, jnp.float64) for a in (x, w, g)]
+
+        def ref_vjp(x, w, g):
+            return jax.vjp(relu_layer, x, w)[1](g)
+
+        plain = magnitudes(ref_vjp, *a64)
+        kinked = magnitudes(ref_vjp, *a64, kink_bound=ErrorModel("tf32", 8.0, "").bound)
+    model = ErrorModel("tf32", 8.0, "")
+    worst = []
+    for got, r, m, n, k in zip((dx, dw), plain.values, plain.magnitudes, plain.terms, kinked.kinks):
+        err = np.abs(np.asarray(got, np.float64) - np.asarray(r))
+        worst.append(float(np.max(err / np.asarray(m))) / model.bound(n))
+        assert np.all(err <= model.bound(n) * np.asarray(m) + np.asarray(k))  # what check_vjp now applies
+    assert max(worst) > 3.0  # several times the first-order bound
+
+
+def test_a_missing_relu_derivative_still_fails_next_to_flips(inputs):
+    x, w, g = inputs
+
+    @jax.custom_vjp
+    def layer(x, w):
+        return relu_layer_tf32(x, w)
+
+    def fwd(x, w):
+        return layer(x, w), (x, w)
+
+    def bwd(res, ct):
+        x, w = res
+        return ct @ _tf32(w).T, _tf32(x).T @ ct  # BUG: ReLU' (the mask) skipped
+
+    layer.defvjp(fwd, bwd)
+    rep = check_vjp(layer, relu_layer, x, w, cotangent=g, precision="tf32")
+    assert not rep.passed
+    assert {lf.name for lf in rep.failures if lf.run == "tf32"} == {"args[0]", "args[1]"}
+
+
+def test_kink_term_of_a_relu_matmul_is_the_stopped_terms():
+    """K(dW) = |x|^T (U * |g|), U = the pre-activations within r(N) sum|terms| of zero (exact formula)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    with jax.enable_x64(True):
+        x = jax.random.normal(k1, (40, 8), jnp.float64)
+        w = jax.random.normal(k2, (8, 12), jnp.float64)
+        g = jax.random.normal(k3, (40, 12), jnp.float64)
+        radius = 2e-2
+        res = magnitudes(lambda x, w, g: jax.vjp(relu_layer, x, w)[1](g), x, w, g, kink_bound=lambda n: radius)
+        z, m = np.asarray(x @ w), np.asarray(jnp.abs(x) @ jnp.abs(w))
+    u = np.abs(z) <= radius * m
+    assert 0 < u.sum() < u.size
+    np.testing.assert_allclose(np.asarray(res.kinks[1]), np.abs(np.asarray(x)).T @ (u * np.abs(np.asarray(g))))
+    np.testing.assert_allclose(np.asarray(res.kinks[0]), (u * np.abs(np.asarray(g))) @ np.abs(np.asarray(w)).T)
+    assert res.uncertain_comparisons == int(u.sum())
+
+
+def test_comparisons_of_exact_inputs_are_never_uncertain():
+    """An input compared with a constant (a B-spline knot test on the layer's own input) is not rounded: no kink."""
+    with jax.enable_x64(True):
+        x = jnp.linspace(-1.0, 1.0, 101)
+        res = magnitudes(lambda x: jnp.where(x > 0.0, x * x, -x), x, kink_bound=lambda n: 0.1)
+        assert res.rounded_comparisons == ()
+        assert res.uncertain_comparisons == 0 and res.kink_counts == [0]
+        rounded = magnitudes(lambda x: jnp.where(x + 0.3 > 0.0, x * x, -x), x, kink_bound=lambda n: 0.1)
+        assert rounded.rounded_comparisons == ("gt",) and rounded.uncertain_comparisons > 0
+
+
+def test_without_comparisons_there_is_no_kink_pass(monkeypatch):
+    """A smooth function costs one interpreted pass, as before."""
+    import jaxgrad.verify.core as core
+
+    calls = []
+    real = core.magnitudes
+
+    def counting(*a, **k):
+        calls.append(k.get("kink_bound"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(core, "magnitudes", counting)
+    x = jax.random.normal(jax.random.key(2), (7, 5))
+    assert check_vjp(jnp.tanh, jnp.tanh, x).passed
+    assert calls == [None]
+
+
+@pytest.mark.gpu
+def test_pallas_conv_relu_audit_passes_on_the_gpu():
+    """The case that failed on an H100 in TF32 (2.7x the bound at (2, 13, 10)) before the kink term: ReLU masks of
+    pre-activations within TF32 rounding of zero, flipped relative to float64."""
+    from jaxgrad.cnn.conv import audit_cases
+    from jaxgrad.verify import audit
+
+    (case,) = [c for c in audit_cases() if "pallas" in c.name]
+    rep = audit(case.fn, case.reference, case.make_args, case.sizes, name=case.name, arg_names=case.arg_names)
+    assert rep.passed, str(rep)
