@@ -128,6 +128,16 @@ def model_for(dtypes, forward_error: float, forward_terms: int, safety: float,
     # only loosens the bound, which stays below the ~0.075 of real bugs.
     revealed = next((p for p in reversed(LADDER) if forward_error >= UNIT_ROUNDOFF[p] / 16), "f32")
     if UNIT_ROUNDOFF[revealed] > UNIT_ROUNDOFF[prior]:
+        # A finer precision p explains the mismatch too when it is within p's worst case, ~2 u_p per entry (both
+        # operands of every product rounded): say so rather than claim the coarse one (a TF32 run at 0.65 u_tf32
+        # would otherwise read as "bf16 compute").
+        finer = [p for p in LADDER if UNIT_ROUNDOFF[prior] <= UNIT_ROUNDOFF[p] < UNIT_ROUNDOFF[revealed]
+                 and forward_error <= 2 * UNIT_ROUNDOFF[p]]
+        if finer:
+            return ErrorModel(revealed, safety, f"forward mismatch {forward_error:.1e}*sum|terms| = "
+                                                f"{forward_error / UNIT_ROUNDOFF[finer[0]]:.2g} u_{finer[0]} is "
+                                                f"consistent with {finer[0]} or {revealed} compute; judged as "
+                                                f"{revealed}, the looser bound (arrays suggested {prior})"), True
         return ErrorModel(revealed, safety, f"forward mismatch {forward_error:.1e}*sum|terms| reveals {revealed} "
                                             f"compute (arrays suggested {prior})"), True
     return ErrorModel(prior, safety, f"{why}; forward mismatch {forward_error:.1e}*sum|terms| agrees"), True
