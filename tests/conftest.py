@@ -18,3 +18,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def exact_f32_tests_run_on_the_cpu(request):
+    """On a GPU machine, a test written for exact f32 (interpret-mode kernels, backend agreement to 1e-5) still runs
+    on that machine's CPU: on the GPU, XLA's default f32 dot precision is TF32, which those tolerances do not allow.
+    ``gpu`` tests run on the GPU. Use with ``pytestmark = pytest.mark.usefixtures("exact_f32_tests_run_on_the_cpu")``.
+    """
+    if "gpu" in request.keywords or jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -30,15 +30,8 @@ BF16_U = 2.0**-8
 HP = jax.lax.Precision.HIGHEST
 
 
-@pytest.fixture(autouse=True)
-def _interpret_tests_run_on_the_cpu(request):
-    """On a GPU machine the interpret-mode tests still run on its CPU: there XLA's default f32 dot precision is
-    TF32, which the exact-f32 tolerances of these tests do not allow. ``gpu`` tests run on the GPU."""
-    if "gpu" in request.keywords or jax.default_backend() == "cpu":
-        yield
-        return
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+# On a GPU machine the interpret-mode tests run on its CPU (exact-f32 tolerances); ``gpu`` tests on the GPU.
+pytestmark = pytest.mark.usefixtures("exact_f32_tests_run_on_the_cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ from jax.extend import core as jex_core
 from jaxgrad.kan import kernels as K
 from jaxgrad.kan.spline import bspline_basis, bspline_basis_derivative
 
+# On a GPU machine the interpret-mode tests run on its CPU (exact-f32 tolerances); ``gpu`` tests on the GPU.
+pytestmark = pytest.mark.usefixtures("exact_f32_tests_run_on_the_cpu")
+
 BF16_U = 2.0**-8  # bf16 unit roundoff
 TF32_U = 2.0**-11  # TF32 unit roundoff (10 explicit mantissa bits)
 
