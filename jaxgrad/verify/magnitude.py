@@ -149,6 +149,21 @@ def _zeros_like_kink(v):
     return jnp.zeros(jnp.shape(v), jnp.result_type(v))
 
 
+def _bind_nonneg(primitive, params: dict, ops: Sequence[Any]) -> list[Any]:
+    """Apply a multilinear, negating or selecting primitive to non-negative operands (magnitudes or kink terms):
+    ``sub`` adds, ``neg`` is the identity, ``reduce_min`` takes the largest. Returns a list of outputs."""
+    name = primitive.name
+    if name == "sub":
+        out = jax.lax.add(ops[0], ops[1])
+    elif name == "neg":
+        out = ops[0]
+    elif name == "reduce_min":
+        out = jax.lax.reduce_max_p.bind(*ops, **params)
+    else:
+        out = primitive.bind(*ops, **params)
+    return list(out) if primitive.multiple_results else [out]
+
+
 class _Interpreter:
     def __init__(self, kink_bound: Callable[[int], float] | None = None):
         self.approximated: set[str] = set()
@@ -224,12 +239,12 @@ class _Interpreter:
                 k = k + jnp.where(pred.kink, jump + kmax, jnp.zeros_like(k))
             return [k]
         if prim == "convert_element_type":
-            s = ins[0]
+            k = ins[0].kink
+            if k is None:
+                return None
             if not _is_float(outvals[0]):
-                return [s.kink] if s.kink is not None and s.kink.dtype == jnp.bool_ else None
-            if s.kink is not None and s.kink.dtype == jnp.bool_:  # a mask: flips between 0 and 1
-                return [s.kink.astype(outvals[0].dtype)]
-            return [s.kink.astype(outvals[0].dtype)] if s.kink is not None else None
+                return [k] if k.dtype == jnp.bool_ else None
+            return [k.astype(outvals[0].dtype)]  # an uncertain bool becomes a 0/1 mask that may flip: K = 1 there
         if not any(_is_float(o) for o in outvals):
             return None
         float_kinks = [s.kink if (s.kink is not None and _is_float(s.val)) else None for s in ins]
@@ -247,15 +262,7 @@ class _Interpreter:
         if prim in _MULTILINEAR or prim in _NEGATING or prim in _REDUCE_SELECT:
             ops = [(k if k is not None else _zeros_like_kink(s.val)) if _is_float(s.val) else s.val
                    for s, k in zip(ins, float_kinks)]
-            if prim == "sub":
-                k = jax.lax.add(*ops)
-            elif prim == "neg":
-                k = ops[0]
-            elif prim == "reduce_min":
-                k = jax.lax.reduce_max_p.bind(*ops, **params)
-            else:
-                k = bind(*ops)
-            ks = list(k) if isinstance(k, (list, tuple)) else [k]
+            ks = _bind_nonneg(primitive, params, ops)
             return [jnp.abs(kk) if _is_float(o) else None for kk, o in zip(ks, outvals, strict=True)]
         return None  # elementwise nonlinear: handled with the JVPs in eqn()
 
@@ -294,19 +301,11 @@ class _Interpreter:
         if kinks is None:
             kinks = [None] * len(outvals)
         if prim in _MULTILINEAR or prim in _NEGATING:
-            mags = [mag_or_abs(i) for i in range(len(ins))]
-            if prim == "sub":
-                m = jax.lax.add(mags[0], mags[1])
-            elif prim == "neg":
-                m = mags[0]
-            else:
-                m = eqn.primitive.bind(*mags, **params)
-            ms = list(m) if eqn.primitive.multiple_results else [m]
+            ms = _bind_nonneg(eqn.primitive, params, [mag_or_abs(i) for i in range(len(ins))])
             return [_State(o, jnp.abs(mm) if _is_float(o) else None, n_out, k, exact_out)
                     for o, mm, k in zip(outvals, ms, kinks, strict=True)]
         if prim in _REDUCE_SELECT:
-            m = eqn.primitive.bind(mag_or_abs(0), **params) if prim != "reduce_min" else \
-                jax.lax.reduce_max_p.bind(mag_or_abs(0), **params)
+            (m,) = _bind_nonneg(eqn.primitive, params, [mag_or_abs(0)])
             return [_State(outvals[0], jnp.abs(m), n_in, kinks[0], exact_out)]
         if prim in _ELEMENTWISE_SELECT and len(float_ins) == len(ins) == 2:
             # max(a, b) picks one operand, and a rounded run may pick the other one: M = max(M(a), M(b)) (>= |y|;
