@@ -125,25 +125,34 @@ def timed(name, fn, args, flops, repeats, rows):
     rows.append((name, t["median_ms"], t["p10_ms"], t["p90_ms"], rate))
 
 
-# Alternatives to the defaults (K.FWD_DEFAULTS etc.). Each was compiled offline for sm_90a (f32, G=5, k=3) without
-# register spills unless noted; num_stages is automatic unless given. Rough L2 traffic: the forward re-reads coef
-# once per batch block (~ B/bb * NB*in*out words), dx likewise per batch block plus g once per input block, dcoef
-# re-reads x and g once per (input, output) block pair; the bases are recomputed once per output block (fwd, dcoef).
+# Alternatives to the defaults (K.FWD_DEFAULTS etc.): the runners-up of the session-4 H100 sweep and wider
+# contractions (block_k = bk * nbp). Rough L2 traffic: the forward re-reads coef once per batch block
+# (~ B/bb * NB*in*out words), dx likewise plus g once per input block, dcoef re-reads x and g once per
+# (input, output) block pair; the bases are recomputed once per output block (fwd, dcoef).
+SWEEP_HIGHEST = {  # IEEE f32 dots are FMA loops in registers: smaller tiles than the TF32 defaults
+    "fwd": [dict(block_b=64, block_k=128, block_out=64, num_warps=8, num_stages=1),
+            dict(block_b=64, block_k=64, block_out=128, num_warps=8, num_stages=1),
+            dict(block_b=32, block_k=128, block_out=128, num_warps=4, num_stages=1),
+            dict(block_b=64, block_k=32, block_out=64, num_warps=4, num_stages=1)],
+    "dcoef": [dict(block_b=64, block_k=128, block_out=64, num_warps=8, num_stages=1),
+              dict(block_b=32, block_k=64, block_out=64, num_warps=4, num_stages=1),
+              dict(block_b=32, block_k=128, block_out=32, num_warps=4, num_stages=1)],
+    "dx": [dict(block_b=64, block_k=128, block_out=64, num_warps=8, num_stages=1),
+           dict(block_b=64, block_k=64, block_out=64, num_warps=4, num_stages=1),
+           dict(block_b=32, block_k=128, block_out=32, num_warps=4, num_stages=1)],
+}
 SWEEP = {
-    "fwd": [dict(block_b=64, block_in=16, block_out=64, num_warps=8),
-            dict(block_b=64, block_in=32, block_out=64, num_warps=8),
-            dict(block_b=32, block_in=16, block_out=256, num_warps=8, num_stages=1),
-            dict(block_b=64, block_in=16, block_out=128, num_warps=8, num_stages=1),
-            dict(block_b=64, block_in=16, block_out=64, num_warps=4)],  # small spill
-    "dcoef": [dict(block_b=64, block_in=32, block_out=64, block_m=4, num_warps=8),
-              dict(block_b=64, block_in=16, block_out=128, block_m=4, num_warps=8),
-              dict(block_b=64, block_in=32, block_out=128, block_m=4, num_warps=8),
-              dict(block_b=128, block_in=16, block_out=128, block_m=8, num_warps=8),
-              dict(block_b=64, block_in=16, block_out=128, block_m=8, num_warps=8, batch_splits=2)],
-    "dx": [dict(block_b=64, block_in=32, block_out=64, block_m=8, num_warps=8),
-           dict(block_b=128, block_in=16, block_out=64, block_m=8, num_warps=8),
-           dict(block_b=64, block_in=16, block_out=128, block_m=8, num_warps=8),
-           dict(block_b=64, block_in=32, block_out=64, block_m=4, num_warps=8)],
+    "fwd": [dict(block_b=128, block_k=128, block_out=256, num_warps=8, num_stages=1),
+            dict(block_b=64, block_k=128, block_out=256, num_warps=8, num_stages=1),
+            dict(block_b=128, block_k=128, block_out=128, num_warps=8, num_stages=2),
+            dict(block_b=128, block_k=256, block_out=128, num_warps=8, num_stages=1)],
+    "dcoef": [dict(block_b=128, block_k=128, block_out=128, num_warps=8),
+              dict(block_b=64, block_k=256, block_out=128, num_warps=8, num_stages=1),
+              dict(block_b=64, block_k=128, block_out=128, num_warps=8, batch_splits=2)],
+    "dx": [dict(block_b=128, block_k=128, block_out=128, num_warps=8),
+           dict(block_b=128, block_k=128, block_out=32, num_warps=8),
+           dict(block_b=128, block_k=256, block_out=64, num_warps=8, num_stages=1),
+           dict(block_b=64, block_k=128, block_out=128, num_warps=8)],
 }
 
 
@@ -151,13 +160,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="B=129, in=17, out=33 (CPU interpret mode is slow)")
     p.add_argument("--sweep", action="store_true", help="also time a few block configurations per kernel")
+    p.add_argument("--sweep-set", choices=["tf32", "highest"], default="tf32",
+                   help="which configurations --sweep times (SWEEP or SWEEP_HIGHEST)")
+    p.add_argument("--grid-size", type=int, default=5)
+    p.add_argument("--order", type=int, default=3, help="spline order k")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {list(MODES)}")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     args = p.parse_args(argv)
     n_batch, n_in, n_out = (129, 17, 33) if args.small else (16384, 512, 512)
     n_batch = args.batch or n_batch
-    grid_size, k = 5, 3
+    grid_size, k = args.grid_size, args.order
     repeats = args.repeats or (3 if args.small else 20)
     env = bm.environment()
     print(f"# {pb.describe()} | {env.get('device_kind', jax.devices()[0].device_kind)} | jax {jax.__version__}")
@@ -186,8 +199,14 @@ def main(argv=None) -> int:
         timed(f"{mode}   pallas dcoef", dcoef_only, (x, grid, g), flops, repeats, rows)
         timed(f"{mode}   pallas dx", dx_only, (x, grid, coef, g), flops, repeats, rows)
         timed(f"{mode} xla    bwd (dx+dcoef)", xb, (x, grid, coef, g), 2 * flops, repeats, rows)
+        # What the matrix units can do on this contraction when nothing else is in the way: one XLA (cuBLAS) GEMM
+        # [B, in*NB] @ [in*NB, out] over operands computed beforehand (not timed). The kernels' dots cannot beat it.
+        basis = jax.jit(lambda x, grid: bspline_basis(x, grid, k).reshape(x.shape[0], -1).astype(x.dtype))(x, grid)
+        gemm = jax.jit(lambda a, c, p=precision: jnp.dot(a, c.reshape(c.shape[0], -1).T, precision=p,
+                                                         preferred_element_type=jnp.float32))
+        timed(f"{mode} xla    GEMM only (basis precomputed)", gemm, (basis, coef), flops, repeats, rows)
         if args.sweep:
-            for kind, configs in SWEEP.items():
+            for kind, configs in (SWEEP_HIGHEST if args.sweep_set == "highest" else SWEEP).items():
                 for cfg in configs:
                     if kind == "fwd":
                         f = jax.jit(lambda x, grid, coef, p=precision, c=cfg:

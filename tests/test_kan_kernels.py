@@ -133,10 +133,11 @@ BASE = dict(n_batch=7, n_in=5, n_out=3, grid_size=3, k=3)  # every dim smaller t
     "n_batch, n_in, n_out, grid_size, k, kw",
     [
         (*BASE.values(), {}),
-        (1, 17, 33, 2, 1, dict(blocks=dict(block_b=16, block_in=16, block_out=16))),  # 2 in-, 3 out-blocks, ragged
-        (7, 17, 3, 1, 5, dict(blocks=dict(block_in=16), dcoef=dict(block_m=3), dx=dict(block_m=3))),  # NB=6: 2 chunks
-        (129, 17, 33, 3, 3, dict(blocks=dict(block_b=16, block_in=16, block_out=16), dcoef=dict(block_m=4),
-                                 dx=dict(block_m=4), batch_splits=2)),  # 9 batch blocks, NB=6 in chunks of 4
+        # NB=3 padded to 4 bases, 4 inputs per tile: 5 input blocks (the last ragged), 3 output blocks
+        (1, 17, 33, 2, 1, dict(blocks=dict(block_b=16, block_k=16, block_out=16))),
+        (7, 17, 3, 1, 5, dict(blocks=dict(block_k=16))),  # NB=6 padded to 8, 2 inputs per tile: 9 input blocks
+        # 9 batch blocks in 2 deterministic splits, 4 inputs per tile
+        (129, 17, 33, 3, 3, dict(blocks=dict(block_b=16, block_k=32, block_out=16), batch_splits=2)),
     ],
     ids=["B7-in5-out3-k3", "B1-in17-out33-k1", "B7-in17-out3-k5-G1", "B129-in17-out33-k3-split"],
 )
@@ -153,14 +154,36 @@ def test_f32_forward_batch_129_default_blocks():
 def test_bf16_matches_reference_on_rounded_inputs():
     x, grid, coef, g = make_inputs(11, 7, 17, 33, 3, 2, jnp.bfloat16)
     assert x.dtype == coef.dtype == g.dtype == jnp.bfloat16  # grid stays f32: bases are evaluated in f32
-    check_all(x, grid, coef, g, 2, BF16_TOL, blocks=dict(block_in=16))
+    check_all(x, grid, coef, g, 2, BF16_TOL, blocks=dict(block_k=16))
 
 
 def test_f64_matches_reference_to_1e12():
     with jax.enable_x64(True):
         x, grid, coef, g = make_inputs(21, 7, 17, 3, 3, 3)
         x, grid, coef, g = (a.astype(jnp.float64) for a in (x, grid, coef, g))
-        check_all(x, grid, coef, g, 3, 1e-12, blocks=dict(block_in=16), dcoef=dict(block_m=3), dx=dict(block_m=3))
+        check_all(x, grid, coef, g, 3, 1e-12, blocks=dict(block_k=16))
+
+
+def test_large_grid_pads_the_bases_and_narrows_the_input_tile():
+    """G=20, k=5: NB=25 bases padded to 32 with zero tiles, 4 inputs per 128-wide contraction (default blocks)."""
+    x, grid, coef, g = make_inputs(23, 9, 11, 6, 20, 5)
+    check_all(x, grid, coef, g, 5, F32_TOL)
+
+
+def test_basis_tile_puts_basis_m_of_input_i_in_column_i_times_nbp_plus_m():
+    """The layout every dot relies on: the row-major flattening of efficient-kan's [out, in, NB] coefficients."""
+    n, bb, bk = 8, 3, 4
+    tiles = [jnp.full((bb, bk), 10.0 * m) + jnp.arange(bk)[None, :] for m in range(n)]  # T_m[:, i] = 10 m + i
+    tile = np.asarray(K._interleave(tiles))
+    want = np.array([[10.0 * m + i for i in range(bk) for m in range(n)]] * bb)
+    np.testing.assert_array_equal(tile, want)
+
+
+@pytest.mark.parametrize("n_in, nbp, block_k, bk", [(512, 8, 128, 16), (512, 32, 128, 4), (3, 8, 128, 4),
+                                                    (512, 256, 128, 1), (1, 4, 128, 4), (17, 2, 16, 8)])
+def test_input_tile_keeps_the_contraction_at_block_k_and_at_least_16(n_in, nbp, block_k, bk):
+    assert K._input_block(n_in, nbp, block_k) == bk
+    assert bk * nbp >= 16
 
 
 def test_mixed_dtypes_follow_the_documented_policy():
@@ -227,10 +250,10 @@ def test_bad_arguments_are_named():
         K.kan_spline_forward(x.astype(jnp.int32), grid, coef, 3)
     with pytest.raises(ValueError, match="'block_out' must be a power of two >= 16"):
         K.kan_spline_forward(x, grid, coef, 3, block_out=48)
-    with pytest.raises(ValueError, match="'block_m'"):
-        K.kan_spline_backward(x, grid, coef, g, 3, dx_config=dict(block_m=0))
-    with pytest.raises(ValueError, match="'dcoef_config' has unknown keys \\['block_k'\\]"):
-        K.kan_spline_backward(x, grid, coef, g, 3, dcoef_config=dict(block_k=16))
+    with pytest.raises(ValueError, match="'block_k' must be a power of two >= 16"):
+        K.kan_spline_backward(x, grid, coef, g, 3, dx_config=dict(block_k=24))
+    with pytest.raises(ValueError, match="'dcoef_config' has unknown keys \\['block_in'\\]"):
+        K.kan_spline_backward(x, grid, coef, g, 3, dcoef_config=dict(block_in=16))
 
 
 def test_empty_batch():
@@ -268,10 +291,21 @@ def test_gpu_triton_ragged_shapes_and_orders(k):
     x, grid, coef, g = make_inputs(91 + k, 129, 17, 33, 4, k)
     check_all(x, grid, coef, g, k, 8 * TF32_U, interpret=False)
     check_all(x, grid, coef, g, k, 3e-5, interpret=False, precision=jax.lax.Precision.HIGHEST,
-              dcoef=dict(block_m=3), dx=dict(block_m=3), batch_splits=2)
+              blocks=dict(block_k=32), batch_splits=2)
 
 
 def test_pipeline_stages_fall_back_to_one_when_shared_memory_would_overflow():
     assert K._stages(None, 64 * 1024) == 2
     assert K._stages(None, 120 * 1024) == 1  # two copies would exceed the ~200 KB budget (227 KB per block)
     assert K._stages(3, 120 * 1024) == 3  # an explicit value is honoured
+
+
+def test_exact_f32_precisions_pick_their_own_launch_defaults():
+    """IEEE f32 dots are FMA loops on Triton (the TF32 tiles spill) and 3-pass TF32 keeps hi/lo operand copies in
+    shared memory (the TF32 tiles overflow it), so both use smaller tiles."""
+    hi = jax.lax.Precision.HIGHEST
+    for kernel, tf32 in (("fwd", K.FWD_DEFAULTS), ("dcoef", K.DCOEF_DEFAULTS), ("dx", K.DX_DEFAULTS)):
+        assert K._defaults(kernel, None) is tf32
+        assert K._defaults(kernel, jax.lax.DotAlgorithmPreset.TF32_TF32_F32) is tf32
+        for p in (hi, (hi, hi), jax.lax.DotAlgorithmPreset.F32_F32_F32, jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3):
+            assert K._defaults(kernel, p) is K.EXACT_F32_DEFAULTS[kernel]

@@ -28,47 +28,60 @@ feeds them straight to the matrix units; the ``[B, in, NB]`` tensor that autodif
     B^p_j = (x - t_j)\,w^{-1}_{p,j}\, B^{p-1}_j + (t_{j+p+1} - x)\,w^{-1}_{p,j+1}\, B^{p-1}_{j+1},
     \qquad w^{-1}_{p,j} = \begin{cases} 1/(t_{j+p} - t_j) & t_{j+p} > t_j \\ 0 & \text{otherwise} \end{cases}
 
-so :math:`B^k_{r-k}` is complete after step :math:`r` and is consumed (one ``dot``) at once: :math:`O(k)`
-elementwise ops per basis and :math:`k+1` live ``[bb, bk]`` tiles, whatever ``G``. The knots :math:`t_r` and the
+so :math:`B^k_{r-k}` is complete after step :math:`r`: :math:`O(k)` elementwise ops per basis, and besides the
+finished bases only :math:`k+1` working ``[bb, bk]`` tiles are live, whatever ``G``. The knots :math:`t_r` and the
 safe reciprocal widths :math:`w^{-1}_{p,r}` are per-column tables built by the wrapper (``[(k+1) rows, in]``, from
 parameters only) and read by the kernel one ``[bk]`` row at a time, at first use. The arithmetic matches the
 plain-JAX reference up to the rounding of ``a * (1/w)`` versus ``a / w``.
 
-**Kernels** (``bb, bk, bo``: batch, input and output block sizes, powers of two >= 16 because Triton needs
-power-of-two arrays and ``tl.dot`` every dimension >= 16; each is clipped to ``next_power_of_2`` of its dimension):
+**Wide contractions.** The kernels do not issue one small dot per basis. The ``NB`` bases of a ``[bb, bk]`` tile
+of ``x`` are zero-padded to ``nbp = next_power_of_2(NB)`` tiles, interleaved by a tree of two-way stacks (the
+Triton lowering joins two tensors along a new last axis) into ``[bb, bk, nbp]`` and reshaped to the **basis tile**
+``A[bb, bk * nbp]`` with column ``i * nbp + m`` = :math:`B_m(x_{b,i})`. That is the row-major flattening of
+efficient-kan's ``spline_weight[out, in, NB]`` (padded to ``nbp``), so each contraction over (input, basis) is one
+dot of depth ``K = bk * nbp`` against ``coef`` reshaped ``[out, in * nbp]`` with no transpose. ``bk`` is chosen
+from the contraction width ``block_k`` (default 128): ``bk = block_k // nbp`` (at least ``16 // nbp`` so that
+``K >= 16``, at most ``next_power_of_2(in)``); so a larger grid (``G = 20``: ``nbp = 32``, ``bk = 4``) keeps the
+same tile sizes and registers instead of growing them.
+
+**Kernels** (``bb, bo``: batch and output block sizes, powers of two >= 16 because Triton needs power-of-two
+arrays and ``tl.dot`` every dimension >= 16; each is clipped to ``next_power_of_2`` of its dimension):
 
 * forward: grid ``(cdiv(B, bb), cdiv(out, bo))``; each program loops over the input blocks (``fori_loop``),
-  sweeps the ``NB`` bases of its ``[bb, bk]`` tile and accumulates ``y^T[bo, bb] += c_m^T[bo, bk] @ B_m^T[bk, bb]``
-  (``coef`` re-arranged by the wrapper as ``[NB, in, out]``). The bases are the dot's second operand, which the
-  Hopper ``wgmma`` reads from shared memory, so they are computed in a plain blocked layout (as the first operand
-  they were computed in the ``wgmma`` register-operand layout, which costs more registers). The bases are
-  recomputed once per output block: ``bo`` trades the accumulator's registers against that recomputation.
-* dcoef: grid ``(S, cdiv(in, bk), cdiv(out, bo), cdiv(NB, bm))``; a program owns bases ``m0 .. m0+bm-1`` of an
-  ``[out, in]`` tile (``bm`` accumulators ``[bo, bk]``), loops over its share of the batch blocks and adds
-  ``g^T[bo, bb] @ B_m[bb, bk]`` (bases again the second operand: with them first, Triton replicated the whole
-  sweep in every warp). The sweep of a chunk starts at interval ``m0`` and runs ``bm + k`` steps. ``S`` splits the
-  batch when the other axes give too few programs (``batch_splits``); the ``S`` f32 partials are summed by XLA
-  (deterministic: no atomics). The output is written as ``[NB, out, in]`` and transposed by XLA.
-* dx: grid ``(cdiv(B, bb), cdiv(in, bk))``; for each chunk of ``bm`` bases (static loop) the program loops over the
-  output blocks accumulating ``h_m[bb, bk] += g[bb, bo] @ c_m[bo, bk]`` (``coef`` re-arranged as
-  ``[NB, out, in]``), then sweeps the degree ``k-1`` bases once and adds ``B'_m * h_m``. ``bm`` bounds the
-  accumulators' registers.
+  builds the basis tile and accumulates ``y^T[bo, bb] += C[bo, K] @ A^T[K, bb]``. The bases are the dot's second
+  operand, which Hopper's ``wgmma`` reads from shared memory (measured faster than the other orientation). They
+  are recomputed once per output block: ``bo`` trades accumulator registers against that recomputation.
+* dcoef: grid ``(S, cdiv(in, bk), cdiv(out, bo))``; a program owns a ``[bo, K]`` block of ``coef``'s gradient,
+  loops over its share of the batch blocks and adds ``g^T[bo, bb] @ A[bb, K]``. ``S`` splits the batch when the
+  other axes give too few programs (``batch_splits``); the ``S`` f32 partials are summed by XLA (deterministic: no
+  atomics). The output is written directly in the ``[out, in * nbp]`` layout.
+* dx: grid ``(cdiv(B, bb), cdiv(in, bk))``; the program loops over the output blocks accumulating
+  ``h[bb, K] += g[bb, bo] @ C[bo, K]``, then builds the derivative tile ``A'`` (same layout, from the degree
+  ``k-1`` sweep) and reduces ``(A' * h)`` over the ``nbp`` bases of each input.
 
-**Default blocks** (:data:`FWD_DEFAULTS`, :data:`DCOEF_DEFAULTS`, :data:`DX_DEFAULTS`) were chosen by compiling
-the kernels offline for sm_90a (the TTIR Pallas emits, compiled by pip ``triton`` 3.6 and ``ptxas -v``; not the
-Triton inside XLA, and not timed) at ``B=16384, in=out=512, G=5, k=3``, f32, to avoid register spills: forward
-(64, 16, 128), 8 warps: 233 registers, no spill; dcoef (64, 16, 128, bm=8), 8 warps: 174, no spill; dx
-(64, 16, 64, bm=8), 8 warps: 106, no spill (bf16: 147 / 175 / 107). With 4 warps or larger tiles all three hit
-255 registers and spill; k=5 spills a little in fwd and dx. ``precision=HIGHEST`` (no tensor cores) spills in
-dcoef (~2 KB per thread at the defaults; ``block_m=4`` is the first thing to try there).
-Shared memory grows with ``num_stages * NB * bk * bo`` (the pipelined coefficient tiles): ``num_stages=None``
-picks 2 when that fits in ~200 KB (an H100/H200 block has 227 KB) and 1 otherwise; e.g. the forward at
-(64, 32, 128) with 2 stages needs 276 KB and would not launch.
+**Default blocks** (:data:`FWD_DEFAULTS`, :data:`DCOEF_DEFAULTS`, :data:`DX_DEFAULTS`) are the fastest of a timed
+sweep on an H100 (f32, TF32 dots, ``B=16384, in=out=512, G=5, k=3``;
+``benchmarks/logs/kan-wide-probe-h100-20261123-1.log``): forward (128, 128, 256), 8 warps, 2 stages 0.89-0.95 ms;
+dcoef (64, 128, 128), 8 warps, 1 split 1.45 ms; dx (128, 128, 64), 8 warps, 2 stages 1.51 ms. The kernels they
+replaced (one ``K = 16`` dot per basis) took 1.21 / 1.61 / 1.77 ms in the same run. Larger tiles run out of
+shared memory (the forward at ``bo = 512``: 256 KB > 227 KB) or registers (``bb = bo = 256`` at 16 warps); read
+the error and shrink the block.
+Exact-f32 dots use :data:`EXACT_F32_DEFAULTS` (small tiles, 4 warps, one stage): IEEE dots are FMA loops in
+registers on Triton, where the TF32 tiles spill (forward 37.8 ms vs 6.15 ms with the small tiles), and 3-pass TF32
+keeps hi/lo operand copies in shared memory, where the TF32 tiles ask for ~400 KB
+(``benchmarks/logs/kan-kernels-sweep-highest-h100-20261123.log``).
+
+**Where the time goes** (same H100 run, ``benchmarks/logs/kan-wide-probe-h100-20261123-2-ablation.log``): the
+forward with the bases replaced by a copy of ``x`` (dots and layout only) takes 0.61 ms, ~110 TFLOP/s, against a
+TF32 floor of 0.14 ms; with the dot replaced by a row sum (bases and layout only) it takes 0.62 ms. Both halves
+are far from their floors and they only partly overlap: Triton's software pipeline does not overlap the
+register-computed operand with the previous ``wgmma``. Reaching the TF32 floor needs warp-specialised kernels
+(producer warps computing bases into shared memory while consumer warps issue ``wgmma``), i.e. Mosaic GPU.
 
 **Edges.** Batch rows and input/output columns beyond the arrays are masked on load (read as 0) and on store.
-``coef`` is re-arranged and zero-padded to whole blocks by the wrapper (parameters only: cheap), so a padded input
-or output column contributes exactly 0; padded knot-table columns are 0 (every basis there is 0) and rows past the
-last knot (the last chunk of ``bm`` bases) repeat it (empty intervals: bases 0).
+``coef`` is reshaped and zero-padded to whole blocks by the wrapper (parameters only: cheap), so a padded input,
+output or basis column contributes exactly 0; padded knot-table columns are 0 (every basis there is 0) and the
+padding bases ``m >= NB`` are zero tiles.
 
 **Dtypes and precision.** ``mdt = result_type(x, coef[, g])`` is the matrix-unit operand dtype and
 ``cdt = promote_types(mdt, float32)`` the dtype of the bases, knots and accumulators: f32 for bf16/f32, f64 for
@@ -97,6 +110,7 @@ __all__ = [
     "DCOEF_DEFAULTS",
     "DX_DEFAULTS",
     "FWD_DEFAULTS",
+    "EXACT_F32_DEFAULTS",
     "kan_spline_backward",
     "kan_spline_backward_reference",
     "kan_spline_dcoef",
@@ -105,13 +119,22 @@ __all__ = [
     "kan_spline_forward_reference",
 ]
 
-# Upper bounds of the tiles (clipped to next_power_of_2 of each dimension, floor 16) and Triton warps; see the
-# module docstring for how they were chosen. ``num_stages`` defaults to None: 2 when the pipelined tiles fit.
-# Tuned on an H200 (benchmarks/logs/kan-kernels-sweep-h200-20261122.log, f32 TF32, B=16384, 512->512, G=5, k=3):
-# forward with one pipeline stage 1.23 ms vs 1.72 ms with two; dx with 128-row batch blocks 1.57 ms vs 2.27 ms.
-FWD_DEFAULTS = {"block_b": 64, "block_in": 16, "block_out": 128, "num_warps": 8, "num_stages": 1}
-DCOEF_DEFAULTS = {"block_b": 64, "block_in": 16, "block_out": 128, "block_m": 8, "num_warps": 8}
-DX_DEFAULTS = {"block_b": 128, "block_in": 16, "block_out": 64, "block_m": 8, "num_warps": 8}
+# Upper bounds of the batch and output tiles (clipped to next_power_of_2 of each dimension, floor 16), the
+# contraction width block_k = bk * nbp, and Triton's launch parameters: the fastest of a timed H100 sweep (module
+# docstring; benchmarks/logs/kan-wide-probe-h100-20261123-1.log, f32 TF32, B=16384, 512->512, G=5, k=3).
+FWD_DEFAULTS = {"block_b": 128, "block_k": 128, "block_out": 256, "num_warps": 8, "num_stages": 2}
+DCOEF_DEFAULTS = {"block_b": 64, "block_k": 128, "block_out": 128, "num_warps": 8, "num_stages": 2}
+DX_DEFAULTS = {"block_b": 128, "block_k": 128, "block_out": 64, "num_warps": 8, "num_stages": 2}
+# Exact-f32 dots. IEEE (precision=HIGHEST) is an FMA loop in registers on Triton: the TF32 tiles spill and ran
+# 2.6-9x slower (fwd 37.8 ms, dcoef 24.2, dx 8.5); these are the fastest of
+# benchmarks/logs/kan-kernels-sweep-highest-h100-20261123.log: fwd 6.15 ms, dcoef 2.79, dx 2.42 (H100, same shapes).
+# 3-pass TF32 keeps hi/lo copies of the operands in shared memory: with the TF32 tiles it asked for ~400 KB of the
+# 227 KB a block has, so it uses these small tiles too.
+EXACT_F32_DEFAULTS = {
+    "fwd": {"block_b": 64, "block_k": 32, "block_out": 64, "num_warps": 4, "num_stages": 1},
+    "dcoef": {"block_b": 32, "block_k": 64, "block_out": 64, "num_warps": 4, "num_stages": 1},
+    "dx": {"block_b": 32, "block_k": 128, "block_out": 32, "num_warps": 4, "num_stages": 1},
+}
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory a 2-stage pipeline may take (the hardware has 227 KB)
 
 
@@ -171,16 +194,28 @@ def _check_pos_int(fn: str, name: str, value, what: str) -> int:
     return value
 
 
+def _is_exact_f32(precision) -> bool:
+    """True when ``precision`` asks for ~f32-accurate dots: IEEE (``HIGHEST``, ``F32_F32_F32``) or 3-pass TF32."""
+    if precision in (lax.DotAlgorithmPreset.F32_F32_F32, lax.DotAlgorithmPreset.TF32_TF32_F32_X3):
+        return True
+    return lax.Precision.HIGHEST in (precision if isinstance(precision, tuple) else (precision,))
+
+
+def _defaults(kernel: str, precision) -> dict:
+    """The launch defaults of ``kernel`` ("fwd", "dcoef", "dx") for this precision."""
+    if _is_exact_f32(precision):
+        return EXACT_F32_DEFAULTS[kernel]
+    return {"fwd": FWD_DEFAULTS, "dcoef": DCOEF_DEFAULTS, "dx": DX_DEFAULTS}[kernel]
+
+
 def _config(fn: str, defaults: dict, **given) -> dict:
     """Merge non-None arguments over ``defaults`` and validate them."""
     cfg = dict(defaults)
     cfg.update({name: v for name, v in given.items() if v is not None})
-    for name in ("block_b", "block_in", "block_out"):
+    for name in ("block_b", "block_k", "block_out"):
         v = cfg[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"{fn}: '{name}' must be a power of two >= 16 (Triton tl.dot), got {v!r}")
-    if "block_m" in cfg:
-        _check_pos_int(fn, "block_m", cfg["block_m"], "bases per program")
     _check_pos_int(fn, "num_warps", cfg["num_warps"], "Triton warps")
     if cfg.get("num_stages") is not None:
         _check_pos_int(fn, "num_stages", cfg["num_stages"], "Triton pipeline stages")
@@ -225,10 +260,10 @@ def _knot_tables(grid, cdt, k: int, n_rows: int, in_pad: int):
 # In-kernel basis evaluation (shared by the three kernels)
 # ---------------------------------------------------------------------------------------------------------------
 class _KnotTable:
-    """Rows of :func:`_knot_tables` for one block of input columns, as ``[1, bk]`` vectors indexed relative to the
-    first basis of the sweep: ``t(r)`` and ``inv(p, r)``. Each row is loaded at first use (once per trace), so only
-    the few rows the sweep currently needs are live: all ``(k+1)(NB+k+1)`` of them held at once cost a few
-    registers each per thread, which is what made the first versions spill."""
+    """Rows of :func:`_knot_tables` for one block of input columns, as ``[1, bk]`` vectors: ``t(r)`` and
+    ``inv(p, r)``. Each row is loaded at first use (once per trace), so only the few rows the sweep currently needs
+    are live: all ``(k+1)(NB+k+1)`` of them held at once cost a few registers each per thread, which is what made
+    the first versions spill."""
 
     def __init__(self, load_row):
         self._load = load_row  # (p, r) -> [bk]
@@ -247,8 +282,8 @@ class _KnotTable:
 
 
 def _sweep(x, tab: _KnotTable, n_intervals: int, degree: int):
-    """Yield ``(j, B^degree_j(x))`` for ``j = 0 .. n_intervals-1-degree`` (relative indices) by the diagonal
-    Cox-de Boor sweep of the module docstring, walking the degree-0 intervals ``0 .. n_intervals-1``."""
+    """Yield ``(j, B^degree_j(x))`` for ``j = 0 .. n_intervals-1-degree`` by the diagonal Cox-de Boor sweep of the
+    module docstring, walking the degree-0 intervals ``0 .. n_intervals-1``."""
     prev: list[Any] = [None] * (degree + 1)  # prev[p] = B^p_{r-1-p}
     for r in range(n_intervals):
         new: list[Any] = [None] * (degree + 1)
@@ -262,6 +297,34 @@ def _sweep(x, tab: _KnotTable, n_intervals: int, degree: int):
             yield r - degree, new[degree]
 
 
+def _interleave(tiles):
+    """``[bb, bk]`` tiles ``T_0 .. T_{n-1}`` (``n`` a power of two) -> ``[bb, bk * n]`` with column ``i * n + m`` =
+    ``T_m[:, i]``, from two-way stacks only. Stacking ``T_j`` with ``T_{j + n/2}`` first puts the most significant
+    bit of ``m`` on the first new axis, so the final row-major reshape lands every basis in its column."""
+    bb, bk = tiles[0].shape
+    level = list(tiles)
+    while len(level) > 1:
+        half = len(level) // 2
+        level = [jnp.stack([level[j], level[j + half]], axis=-1) for j in range(half)]
+    return level[0].reshape(bb, bk * len(tiles))
+
+
+def _basis_tile(x, tab: _KnotTable, nb: int, nbp: int, k: int, *, derivative: bool = False):
+    """The basis tile ``A[bb, bk * nbp]`` of the module docstring (``B_m(x)``, or ``B'_m(x)`` when
+    ``derivative``), zero for the padding bases ``m >= nb``."""
+    tiles = []
+    if derivative:
+        prev = None
+        for s, low in _sweep(x, tab, nb + k, k - 1):  # B^{k-1}_s, s = 0 .. nb
+            if s > 0:  # B'_{s-1} = k [B^{k-1}_{s-1} w^{-1}_{k,s-1} - B^{k-1}_s w^{-1}_{k,s}]
+                tiles.append(k * (prev * tab.inv(k, s - 1) - low * tab.inv(k, s)))
+            prev = low
+    else:
+        tiles = [b for _, b in _sweep(x, tab, nb + k, k)]
+    tiles += [jnp.zeros_like(x)] * (nbp - nb)
+    return _interleave(tiles)
+
+
 def _dot(a, b, precision, acc_dtype, contract=((1,), (0,))):
     return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=acc_dtype)
 
@@ -270,55 +333,78 @@ def _mask2(rows_ok, cols_ok):
     return jnp.broadcast_to(rows_ok[:, None] & cols_ok[None, :], (rows_ok.shape[0], cols_ok.shape[0]))
 
 
+def _input_block(n_in: int, nbp: int, block_k: int) -> int:
+    """Inputs per basis tile: ``block_k // nbp``, at least ``16 // nbp`` (``tl.dot`` needs ``K >= 16``), at most
+    ``next_power_of_2(in)`` unless that minimum asks for more; a power of two."""
+    return max(1, 16 // nbp, min(block_k // nbp, pl.next_power_of_2(n_in)))
+
+
+def _coef_flat(coef, nbp: int, in_pad: int, out_pad: int, mdt):
+    """``coef[out, in, NB]`` -> ``[out_pad, in_pad * nbp]``, zero padded (parameters only: cheap XLA)."""
+    return _pad_to(coef.astype(mdt), (out_pad, in_pad, nbp)).reshape(out_pad, in_pad * nbp)
+
+
+class _Geometry:
+    """Static sizes shared by the three kernel wrappers."""
+
+    def __init__(self, n_in: int, nb: int, k: int, block_k: int):
+        self.nb, self.nbp = nb, pl.next_power_of_2(nb)
+        self.bk = _input_block(n_in, self.nbp, block_k)
+        self.kw = self.bk * self.nbp  # contraction width K of every dot
+        self.n_kb = pl.cdiv(n_in, self.bk)
+        self.in_pad = self.n_kb * self.bk
+        self.n_rows = nb + k + 1  # knot-table rows per p (the G+2k+1 knots)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Forward kernel
 # ---------------------------------------------------------------------------------------------------------------
-def _fwd_kernel(x_ref, t_ref, c_ref, y_ref, *, n_batch, n_in, n_out, bb, bk, bo, n_kb, k, nb, precision, cdt, mdt):
+def _fwd_kernel(x_ref, t_ref, c_ref, y_ref, *, n_batch, n_in, bb, bk, n_kb, k, nb, nbp, n_rows, precision, cdt,
+                mdt):
     row_ok = (pl.program_id(0) * bb + jnp.arange(bb)) < n_batch
+    kw = bk * nbp
 
     def body(kb, acc):
         start = pl.multiple_of(kb * bk, bk)
         col_ok = (start + jnp.arange(bk)) < n_in
         x = pb.masked_load(x_ref.at[:, pl.ds(start, bk)], _mask2(row_ok, col_ok)).astype(cdt)
-        tab = _KnotTable(lambda p, r: t_ref[p * (nb + k + 1) + r, pl.ds(start, bk)])  # depends on kb: not hoisted
-        for m, b_m in _sweep(x, tab, nb + k, k):
-            # y^T[bo, bb] += c_m^T[bo, bk] @ B_m^T[bk, bb]
-            acc = acc + _dot(c_ref[m, pl.ds(start, bk), :], b_m.astype(mdt), precision, cdt, contract=((0,), (1,)))
-        return acc
+        tab = _KnotTable(lambda p, r: t_ref[p * n_rows + r, pl.ds(start, bk)])  # depends on kb: not hoisted
+        a = _basis_tile(x, tab, nb, nbp, k).astype(mdt)  # [bb, K]
+        c = c_ref[:, pl.ds(pl.multiple_of(kb * kw, kw), kw)]  # [bo, K]
+        return acc + _dot(c, a, precision, cdt, contract=((1,), (1,)))  # y^T[bo, bb] += C[bo, K] @ A^T[K, bb]
 
-    acc = lax.fori_loop(0, n_kb, body, jnp.zeros((bo, bb), cdt))
-    pb.masked_store(y_ref, acc.T, pb.block_mask((bb, bo), (n_batch, n_out)))
+    acc = lax.fori_loop(0, n_kb, body, jnp.zeros((c_ref.shape[0], bb), cdt))
+    pb.masked_store(y_ref, acc.T, jnp.broadcast_to(row_ok[:, None], (bb, c_ref.shape[0])))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "precision", "interpret", "bb", "bk", "bo", "num_warps",
+@functools.partial(jax.jit, static_argnames=("k", "precision", "interpret", "bb", "block_k", "bo", "num_warps",
                                              "num_stages"))
-def _fwd_call(x, grid, coef, *, k, precision, interpret, bb, bk, bo, num_warps, num_stages):
+def _fwd_call(x, grid, coef, *, k, precision, interpret, bb, block_k, bo, num_warps, num_stages):
     n_batch, n_in = x.shape
     n_out, _, nb = coef.shape
     mdt, cdt = _dtypes(x, coef)
-    n_kb, n_ob = pl.cdiv(n_in, bk), pl.cdiv(n_out, bo)
-    in_pad, out_pad = n_kb * bk, n_ob * bo
-    t = _knot_tables(grid, cdt, k, nb + k + 1, in_pad)  # [(k+1) NK, in_pad]
-    c = _pad_to(jnp.transpose(coef, (2, 1, 0)).astype(mdt), (nb, in_pad, out_pad))  # [NB, in_pad, out_pad]
-    kernel = functools.partial(_fwd_kernel, n_batch=n_batch, n_in=n_in, n_out=n_out, bb=bb, bk=bk, bo=bo,
-                               n_kb=n_kb, k=k, nb=nb, precision=precision, cdt=cdt, mdt=mdt)
-    per_stage = (nb * bk * bo * mdt.itemsize + (k + 1) * (nb + k + 1) * bk * cdt.itemsize
-                 + bb * bk * x.dtype.itemsize)
-    return pb.pallas_call(
+    geo = _Geometry(n_in, nb, k, block_k)
+    n_ob = pl.cdiv(n_out, bo)
+    t = _knot_tables(grid, cdt, k, geo.n_rows, geo.in_pad)  # [(k+1) n_rows, in_pad]
+    c = _coef_flat(coef, geo.nbp, geo.in_pad, n_ob * bo, mdt)  # [out_pad, in_pad * nbp]
+    kernel = functools.partial(_fwd_kernel, n_batch=n_batch, n_in=n_in, bb=bb, bk=geo.bk, n_kb=geo.n_kb, k=k,
+                               nb=nb, nbp=geo.nbp, n_rows=geo.n_rows, precision=precision, cdt=cdt, mdt=mdt)
+    y = pb.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_batch, n_out), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_batch, n_ob * bo), x.dtype),
         grid=(pl.cdiv(n_batch, bb), n_ob),
         in_specs=[
-            pl.BlockSpec((bb, in_pad), lambda b, o: (b, 0)),
-            pl.BlockSpec(((k + 1) * (nb + k + 1), in_pad), lambda b, o: (0, 0)),
-            pl.BlockSpec((nb, in_pad, bo), lambda b, o: (0, 0, o)),
+            pl.BlockSpec((bb, geo.in_pad), lambda b, o: (b, 0)),
+            pl.BlockSpec(((k + 1) * geo.n_rows, geo.in_pad), lambda b, o: (0, 0)),
+            pl.BlockSpec((bo, geo.in_pad * geo.nbp), lambda b, o: (o, 0)),
         ],
         out_specs=pl.BlockSpec((bb, bo), lambda b, o: (b, o)),
         name="kan_spline_fwd",
         interpret=interpret,
         num_warps=num_warps,
-        num_stages=_stages(num_stages, per_stage),
+        num_stages=_stages(num_stages, bo * geo.kw * mdt.itemsize),
     )(x, t, c)
+    return y[:, :n_out]
 
 
 def kan_spline_forward(
@@ -329,11 +415,11 @@ def kan_spline_forward(
     *,
     precision: Any = None,
     interpret: bool | None = None,
-    block_b: int = FWD_DEFAULTS["block_b"],
-    block_in: int = FWD_DEFAULTS["block_in"],
-    block_out: int = FWD_DEFAULTS["block_out"],
-    num_warps: int = FWD_DEFAULTS["num_warps"],
-    num_stages: int | None = FWD_DEFAULTS["num_stages"],
+    block_b: int | None = None,
+    block_k: int | None = None,
+    block_out: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> jax.Array:
     r"""Spline part of a KAN layer, :math:`y[b,o] = \sum_i \sum_m B_m(x_{bi})\, c[o,i,m]`, in one fused kernel.
 
@@ -343,37 +429,39 @@ def kan_spline_forward(
       coef: ``[out, in, G+k]`` coefficients (efficient-kan layout; fold ``spline_scaler`` in first).
       spline_order: the degree ``k`` (3 = cubic).
       precision: ``None`` (platform default: TF32 for f32 on the GPU), ``jax.lax.Precision.HIGHEST`` (IEEE f32)
-        or a ``jax.lax.DotAlgorithmPreset`` the Triton lowering accepts (e.g. ``TF32_TF32_F32_X3``).
-      interpret: force Pallas interpret mode (``None``: on unless running on a GPU).
-      block_b, block_in, block_out: tile upper bounds (powers of two >= 16), see the module docstring.
-      num_warps, num_stages: Triton launch parameters (ignored in interpret mode); ``num_stages=None`` picks 2
-        when the pipelined coefficient tiles fit in shared memory, else 1.
+        or ``jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3`` (3-pass TF32).
+      interpret: ``None`` picks interpret mode off the GPU (see :mod:`jaxgrad.pallas_backend`); ``True`` forces it
+        (CPU tests, float64; slow, and meant for small sizes: on a GPU the float64 reference is the thing to use).
+      block_b, block_out: batch and output tile upper bounds (powers of two >= 16); block_k: contraction width
+        ``bk * nbp`` of each dot (power of two >= 16), see the module docstring.
+      num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
+        Every launch argument left ``None`` comes from :data:`FWD_DEFAULTS`, or from :data:`EXACT_F32_DEFAULTS` when
+        ``precision`` asks for exact-f32 dots.
     Returns:
       ``y[B, out]`` in ``x.dtype``. The ``[B, in, G+k]`` basis is never materialised.
     """
     fn = "kan_spline_forward"
     n_batch, n_in, n_out, _ = _check_args(fn, x, grid, coef, spline_order)
-    cfg = _config(fn, FWD_DEFAULTS, block_b=block_b, block_in=block_in, block_out=block_out, num_warps=num_warps,
-                  num_stages=num_stages)
+    cfg = _config(fn, _defaults("fwd", precision), block_b=block_b, block_k=block_k, block_out=block_out,
+                  num_warps=num_warps, num_stages=num_stages)
     if n_batch == 0 or n_out == 0 or n_in == 0:
         return jnp.zeros((n_batch, n_out), x.dtype)
     return _fwd_call(
         x, grid, coef, k=spline_order, precision=precision, interpret=pb.resolve_interpret(interpret),
-        bb=pb.block_size(n_batch, cfg["block_b"]), bk=pb.block_size(n_in, cfg["block_in"]),
+        bb=pb.block_size(n_batch, cfg["block_b"]), block_k=cfg["block_k"],
         bo=pb.block_size(n_out, cfg["block_out"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # dcoef kernel
 # ---------------------------------------------------------------------------------------------------------------
-def _dcoef_kernel(x_ref, g_ref, t_ref, o_ref, *, n_batch, n_in, n_out, bb, bk, bo, per, k, bm, n_rows, precision,
-                  cdt, mdt):
-    split, ib, ob, chunk = (pl.program_id(a) for a in range(4))
+def _dcoef_kernel(x_ref, g_ref, t_ref, o_ref, *, n_batch, n_in, n_out, bb, bk, bo, per, k, nb, nbp, n_rows,
+                  precision, cdt, mdt):
+    split, ib, ob = (pl.program_id(a) for a in range(3))
     col_ok = (ib * bk + jnp.arange(bk)) < n_in
     out_ok = (ob * bo + jnp.arange(bo)) < n_out
-    m0 = chunk * bm
 
-    def body(step, accs):
+    def body(step, acc):
         start = pl.multiple_of((split * per + step) * bb, bb)
         row_ok = (start + jnp.arange(bb)) < n_batch
         x = pb.masked_load(x_ref.at[pl.ds(start, bb), :], _mask2(row_ok, col_ok)).astype(cdt)
@@ -381,16 +469,12 @@ def _dcoef_kernel(x_ref, g_ref, t_ref, o_ref, *, n_batch, n_in, n_out, bb, bk, b
         # Knot rows are re-read per batch block (L1/L2 hits). The mask ties the loads to the loop so that the
         # compiler cannot hoist them (hoisted, every row becomes a live [bb, bk] broadcast: hundreds of registers).
         # A batch block wholly past the end reads zero knots: all its bases are then 0 (and its g rows are 0).
-        live = jnp.broadcast_to(start < n_batch, (bk,))
-        tab = _KnotTable(lambda p, r: pb.masked_load(t_ref.at[p * n_rows + m0 + r, :], live))
-        new = list(accs)
-        for s, b_s in _sweep(x, tab, bm + k, k):
-            new[s] = new[s] + _dot(g, b_s.astype(mdt), precision, cdt, contract=((0,), (0,)))  # g^T[bo,bb] @ B
-        return tuple(new)
+        live = jnp.broadcast_to(start < n_batch, (1, bk))
+        tab = _KnotTable(lambda p, r: pb.masked_load(t_ref.at[pl.ds(p * n_rows + r, 1), :], live)[0])
+        a = _basis_tile(x, tab, nb, nbp, k).astype(mdt)  # [bb, K]
+        return acc + _dot(g, a, precision, cdt, contract=((0,), (0,)))  # dC[bo, K] += g^T[bo, bb] @ A[bb, K]
 
-    accs = lax.fori_loop(0, per, body, tuple(jnp.zeros((bo, bk), cdt) for _ in range(bm)))
-    for s in range(bm):
-        o_ref[s, :, :] = accs[s].astype(o_ref.dtype)
+    o_ref[...] = lax.fori_loop(0, per, body, jnp.zeros((bo, bk * nbp), cdt))
 
 
 def _auto_splits(programs: int, n_bblocks: int, interpret: bool) -> int:
@@ -401,40 +485,41 @@ def _auto_splits(programs: int, n_bblocks: int, interpret: bool) -> int:
     return max(1, min(pl.cdiv(256, programs), n_bblocks // 8))
 
 
-@functools.partial(jax.jit, static_argnames=("nb", "k", "precision", "interpret", "bb", "bk", "bo", "bm",
+@functools.partial(jax.jit, static_argnames=("nb", "k", "precision", "interpret", "bb", "block_k", "bo",
                                              "splits", "num_warps", "num_stages", "out_dtype"))
-def _dcoef_call(x, grid, g, *, nb, k, precision, interpret, bb, bk, bo, bm, splits, num_warps, num_stages,
+def _dcoef_call(x, grid, g, *, nb, k, precision, interpret, bb, block_k, bo, splits, num_warps, num_stages,
                 out_dtype):
     n_batch, n_in = x.shape
     n_out = g.shape[1]
     mdt, cdt = _dtypes(x, g)
-    n_ib, n_ob, n_chunks = pl.cdiv(n_in, bk), pl.cdiv(n_out, bo), pl.cdiv(nb, bm)
-    in_pad, out_pad, nb_pad = n_ib * bk, n_ob * bo, n_chunks * bm
+    geo = _Geometry(n_in, nb, k, block_k)
+    n_ob = pl.cdiv(n_out, bo)
     n_bblocks = pl.cdiv(n_batch, bb)
     per = pl.cdiv(n_bblocks, splits)
     splits = pl.cdiv(n_bblocks, per)  # no empty split
     rows = splits * per * bb
-    t = _knot_tables(grid, cdt, k, nb_pad + k + 1, in_pad)
-    kernel = functools.partial(_dcoef_kernel, n_batch=n_batch, n_in=n_in, n_out=n_out, bb=bb, bk=bk, bo=bo,
-                               per=per, k=k, bm=bm, n_rows=nb_pad + k + 1, precision=precision, cdt=cdt, mdt=mdt)
-    per_stage = bb * bk * x.dtype.itemsize + bb * bo * mdt.itemsize + (k + 1) * (bm + k + 1) * bk * cdt.itemsize
+    t = _knot_tables(grid, cdt, k, geo.n_rows, geo.in_pad)
+    kernel = functools.partial(_dcoef_kernel, n_batch=n_batch, n_in=n_in, n_out=n_out, bb=bb, bk=geo.bk, bo=bo,
+                               per=per, k=k, nb=nb, nbp=geo.nbp, n_rows=geo.n_rows, precision=precision, cdt=cdt,
+                               mdt=mdt)
+    per_stage = bb * geo.bk * x.dtype.itemsize + bb * bo * mdt.itemsize
     part = pb.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, nb_pad, out_pad, in_pad), cdt),
-        grid=(splits, n_ib, n_ob, n_chunks),
+        out_shape=jax.ShapeDtypeStruct((splits, n_ob * bo, geo.in_pad * geo.nbp), cdt),
+        grid=(splits, geo.n_kb, n_ob),
         in_specs=[
-            pl.BlockSpec((rows, bk), lambda s, i, o, c: (0, i)),
-            pl.BlockSpec((rows, bo), lambda s, i, o, c: (0, o)),
-            pl.BlockSpec(((k + 1) * (nb_pad + k + 1), bk), lambda s, i, o, c: (0, i)),
+            pl.BlockSpec((rows, geo.bk), lambda s, i, o: (0, i)),
+            pl.BlockSpec((rows, bo), lambda s, i, o: (0, o)),
+            pl.BlockSpec(((k + 1) * geo.n_rows, geo.bk), lambda s, i, o: (0, i)),
         ],
-        out_specs=pl.BlockSpec((pl.squeezed, bm, bo, bk), lambda s, i, o, c: (s, c, o, i)),
+        out_specs=pl.BlockSpec((pl.squeezed, bo, geo.kw), lambda s, i, o: (s, o, i)),
         name="kan_spline_dcoef",
         interpret=interpret,
         num_warps=num_warps,
         num_stages=_stages(num_stages, per_stage),
     )(x, g.astype(mdt), t)
-    dcoef = part.sum(0) if splits > 1 else part[0]  # [NB_pad, out_pad, in_pad]
-    return jnp.transpose(dcoef[:nb, :n_out, :n_in], (1, 2, 0)).astype(out_dtype)
+    dcoef = part.sum(0) if splits > 1 else part[0]  # [out_pad, in_pad * nbp]
+    return dcoef.reshape(n_ob * bo, geo.in_pad, geo.nbp)[:n_out, :n_in, :nb].astype(out_dtype)
 
 
 def _dcoef(fn, x, grid, g, k, nb, out_dtype, precision, interpret, cfg, batch_splits):
@@ -445,14 +530,14 @@ def _dcoef(fn, x, grid, g, k, nb, out_dtype, precision, interpret, cfg, batch_sp
     if n_batch == 0 or n_in == 0 or n_out == 0:
         return jnp.zeros((n_out, n_in, nb), out_dtype)
     interp = pb.resolve_interpret(interpret)
-    bb, bk = pb.block_size(n_batch, cfg["block_b"]), pb.block_size(n_in, cfg["block_in"])
-    bo, bm = pb.block_size(n_out, cfg["block_out"]), min(cfg["block_m"], nb)
+    bb, bo = pb.block_size(n_batch, cfg["block_b"]), pb.block_size(n_out, cfg["block_out"])
     n_bblocks = pl.cdiv(n_batch, bb)
     if batch_splits is None:
-        batch_splits = _auto_splits(pl.cdiv(n_in, bk) * pl.cdiv(n_out, bo) * pl.cdiv(nb, bm), n_bblocks, interp)
-    return _dcoef_call(x, grid, g, nb=nb, k=k, precision=precision, interpret=interp, bb=bb, bk=bk, bo=bo, bm=bm,
-                       splits=min(batch_splits, n_bblocks), num_warps=cfg["num_warps"],
-                       num_stages=cfg.get("num_stages"), out_dtype=jnp.dtype(out_dtype))
+        n_kb = _Geometry(n_in, nb, k, cfg["block_k"]).n_kb
+        batch_splits = _auto_splits(n_kb * pl.cdiv(n_out, bo), n_bblocks, interp)
+    return _dcoef_call(x, grid, g, nb=nb, k=k, precision=precision, interpret=interp, bb=bb,
+                       block_k=cfg["block_k"], bo=bo, splits=min(batch_splits, n_bblocks),
+                       num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages"), out_dtype=jnp.dtype(out_dtype))
 
 
 def kan_spline_dcoef(
@@ -465,17 +550,16 @@ def kan_spline_dcoef(
     coef_dtype: Any = None,
     precision: Any = None,
     interpret: bool | None = None,
-    block_b: int = DCOEF_DEFAULTS["block_b"],
-    block_in: int = DCOEF_DEFAULTS["block_in"],
-    block_out: int = DCOEF_DEFAULTS["block_out"],
-    block_m: int = DCOEF_DEFAULTS["block_m"],
+    block_b: int | None = None,
+    block_k: int | None = None,
+    block_out: int | None = None,
     batch_splits: int | None = None,
-    num_warps: int = DCOEF_DEFAULTS["num_warps"],
+    num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> jax.Array:
     r""":math:`\bar c[o,i,m] = \sum_b g[b,o]\, B_m(x_{bi})`: ``[out, in, num_bases]`` in ``coef_dtype`` (default
-    ``result_type(x, g)``). ``num_bases = G + k``; ``block_m`` bases per program; ``batch_splits`` (``None``:
-    automatic) splits the batch reduction into deterministic f32 partials summed by XLA."""
+    ``result_type(x, g)``). ``num_bases = G + k``; ``batch_splits`` (``None``: automatic) splits the batch
+    reduction into deterministic f32 partials summed by XLA."""
     fn = "kan_spline_dcoef"
     _check_pos_int(fn, "num_bases", num_bases, "G+k")
     out_dtype = jnp.dtype(coef_dtype) if coef_dtype is not None else None
@@ -483,7 +567,7 @@ def kan_spline_dcoef(
     n_in = x.shape[-1] if getattr(x, "ndim", 0) == 2 else 0
     coef_like = jax.ShapeDtypeStruct((n_out, n_in, num_bases), out_dtype or jnp.float32)
     _check_args(fn, x, grid, coef_like, spline_order, g)
-    cfg = _config(fn, DCOEF_DEFAULTS, block_b=block_b, block_in=block_in, block_out=block_out, block_m=block_m,
+    cfg = _config(fn, _defaults("dcoef", precision), block_b=block_b, block_k=block_k, block_out=block_out,
                   num_warps=num_warps, num_stages=num_stages)
     return _dcoef(fn, x, grid, g, spline_order, num_bases, out_dtype or jnp.result_type(x.dtype, g.dtype),
                   precision, interpret, cfg, batch_splits)
@@ -492,73 +576,65 @@ def kan_spline_dcoef(
 # ---------------------------------------------------------------------------------------------------------------
 # dx kernel
 # ---------------------------------------------------------------------------------------------------------------
-def _dx_kernel(x_ref, g_ref, t_ref, c_ref, o_ref, *, n_batch, n_in, n_out, bb, bk, bo, n_ob, k, bm, n_chunks,
+def _dx_kernel(x_ref, g_ref, t_ref, c_ref, o_ref, *, n_batch, n_in, n_out, bb, bk, bo, n_ob, k, nb, nbp, n_rows,
                precision, cdt, mdt):
-    nb_pad = n_chunks * bm
     row_ok = (pl.program_id(0) * bb + jnp.arange(bb)) < n_batch
     col_ok = (pl.program_id(1) * bk + jnp.arange(bk)) < n_in
     mask = _mask2(row_ok, col_ok)
+
+    def body(ob, h):
+        start = pl.multiple_of(ob * bo, bo)
+        out_ok = (start + jnp.arange(bo)) < n_out
+        g = pb.masked_load(g_ref.at[:, pl.ds(start, bo)], _mask2(row_ok, out_ok)).astype(mdt)
+        return h + _dot(g, c_ref[pl.ds(start, bo), :], precision, cdt)  # h[bb, K] += g[bb, bo] @ C[bo, K]
+
+    h = lax.fori_loop(0, n_ob, body, jnp.zeros((bb, bk * nbp), cdt))
     x = pb.masked_load(x_ref, mask).astype(cdt)
-    dx = jnp.zeros((bb, bk), cdt)
-    for chunk in range(n_chunks):  # static: bm accumulators live at a time
-        m0 = chunk * bm
-
-        def body(ob, hs, m0=m0):
-            start = pl.multiple_of(ob * bo, bo)
-            out_ok = (start + jnp.arange(bo)) < n_out
-            g = pb.masked_load(g_ref.at[:, pl.ds(start, bo)], _mask2(row_ok, out_ok)).astype(mdt)
-            return tuple(hs[s] + _dot(g, c_ref[m0 + s, pl.ds(start, bo), :], precision, cdt) for s in range(bm))
-
-        hs = lax.fori_loop(0, n_ob, body, tuple(jnp.zeros((bb, bk), cdt) for _ in range(bm)))
-        tab = _KnotTable(lambda p, r, m0=m0: t_ref[p * (nb_pad + k + 1) + m0 + r, :])
-        prev = None
-        for s, low in _sweep(x, tab, bm + k, k - 1):  # B^{k-1}_{m0+s}, s = 0 .. bm, consumed as they come
-            if s > 0:  # B'_{m0+s-1} = k [B^{k-1}_{m0+s-1} / w_{k,m0+s-1} - B^{k-1}_{m0+s} / w_{k,m0+s}]
-                dx = dx + k * (prev * tab.inv(k, s - 1) - low * tab.inv(k, s)) * hs[s - 1]
-            prev = low
-    pb.masked_store(o_ref, dx, mask)
+    tab = _KnotTable(lambda p, r: t_ref[p * n_rows + r, :])
+    d = _basis_tile(x, tab, nb, nbp, k, derivative=True)  # A'[bb, K]
+    pb.masked_store(o_ref, (d * h).reshape(bb, bk, nbp).sum(axis=-1), mask)  # dx[b, i] = sum_m A' h
 
 
-@functools.partial(jax.jit, static_argnames=("k", "precision", "interpret", "bb", "bk", "bo", "bm", "num_warps",
+@functools.partial(jax.jit, static_argnames=("k", "precision", "interpret", "bb", "block_k", "bo", "num_warps",
                                              "num_stages"))
-def _dx_call(x, grid, coef, g, *, k, precision, interpret, bb, bk, bo, bm, num_warps, num_stages):
+def _dx_call(x, grid, coef, g, *, k, precision, interpret, bb, block_k, bo, num_warps, num_stages):
     n_batch, n_in = x.shape
     n_out, _, nb = coef.shape
     mdt, cdt = _dtypes(x, coef, g)
-    n_ib, n_ob, n_chunks = pl.cdiv(n_in, bk), pl.cdiv(n_out, bo), pl.cdiv(nb, bm)
-    in_pad, out_pad, nb_pad = n_ib * bk, n_ob * bo, n_chunks * bm
-    t = _knot_tables(grid, cdt, k, nb_pad + k + 1, in_pad)
-    c = _pad_to(jnp.transpose(coef, (2, 0, 1)).astype(mdt), (nb_pad, out_pad, in_pad))  # [NB_pad, out, in]
-    kernel = functools.partial(_dx_kernel, n_batch=n_batch, n_in=n_in, n_out=n_out, bb=bb, bk=bk, bo=bo, n_ob=n_ob,
-                               k=k, bm=bm, n_chunks=n_chunks, precision=precision, cdt=cdt, mdt=mdt)
-    per_stage = bb * bo * mdt.itemsize + bm * bo * bk * mdt.itemsize
+    geo = _Geometry(n_in, nb, k, block_k)
+    n_ob = pl.cdiv(n_out, bo)
+    t = _knot_tables(grid, cdt, k, geo.n_rows, geo.in_pad)
+    c = _coef_flat(coef, geo.nbp, geo.in_pad, n_ob * bo, mdt)  # [out_pad, in_pad * nbp]
+    kernel = functools.partial(_dx_kernel, n_batch=n_batch, n_in=n_in, n_out=n_out, bb=bb, bk=geo.bk, bo=bo,
+                               n_ob=n_ob, k=k, nb=nb, nbp=geo.nbp, n_rows=geo.n_rows, precision=precision,
+                               cdt=cdt, mdt=mdt)
     return pb.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n_batch, n_in), x.dtype),
-        grid=(pl.cdiv(n_batch, bb), n_ib),
+        grid=(pl.cdiv(n_batch, bb), geo.n_kb),
         in_specs=[
-            pl.BlockSpec((bb, bk), lambda b, i: (b, i)),
-            pl.BlockSpec((bb, out_pad), lambda b, i: (b, 0)),
-            pl.BlockSpec(((k + 1) * (nb_pad + k + 1), bk), lambda b, i: (0, i)),
-            pl.BlockSpec((nb_pad, out_pad, bk), lambda b, i: (0, 0, i)),
+            pl.BlockSpec((bb, geo.bk), lambda b, i: (b, i)),
+            pl.BlockSpec((bb, n_ob * bo), lambda b, i: (b, 0)),
+            pl.BlockSpec(((k + 1) * geo.n_rows, geo.bk), lambda b, i: (0, i)),
+            pl.BlockSpec((n_ob * bo, geo.kw), lambda b, i: (0, i)),
         ],
-        out_specs=pl.BlockSpec((bb, bk), lambda b, i: (b, i)),
+        out_specs=pl.BlockSpec((bb, geo.bk), lambda b, i: (b, i)),
         name="kan_spline_dx",
         interpret=interpret,
         num_warps=num_warps,
-        num_stages=_stages(num_stages, per_stage),
+        num_stages=_stages(num_stages, bb * bo * mdt.itemsize + bo * geo.kw * mdt.itemsize),
     )(x, g.astype(mdt), t, c)
 
 
 def _dx(x, grid, coef, g, k, precision, interpret, cfg):
     n_batch, n_in = x.shape
-    n_out, _, nb = coef.shape
+    n_out = coef.shape[0]
     if n_batch == 0 or n_in == 0 or n_out == 0:
         return jnp.zeros((n_batch, n_in), x.dtype)
     return _dx_call(x, grid, coef, g, k=k, precision=precision, interpret=pb.resolve_interpret(interpret),
-                    bb=pb.block_size(n_batch, cfg["block_b"]), bk=pb.block_size(n_in, cfg["block_in"]),
-                    bo=pb.block_size(n_out, cfg["block_out"]), bm=min(cfg["block_m"], nb),
-                    num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages"))
+                    bb=pb.block_size(n_batch, cfg["block_b"]), block_k=cfg["block_k"],
+                    bo=pb.block_size(n_out, cfg["block_out"]), num_warps=cfg["num_warps"],
+                    num_stages=cfg.get("num_stages"))
 
 
 def kan_spline_dx(
@@ -570,17 +646,16 @@ def kan_spline_dx(
     *,
     precision: Any = None,
     interpret: bool | None = None,
-    block_b: int = DX_DEFAULTS["block_b"],
-    block_in: int = DX_DEFAULTS["block_in"],
-    block_out: int = DX_DEFAULTS["block_out"],
-    block_m: int = DX_DEFAULTS["block_m"],
-    num_warps: int = DX_DEFAULTS["num_warps"],
+    block_b: int | None = None,
+    block_k: int | None = None,
+    block_out: int | None = None,
+    num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> jax.Array:
     r""":math:`\bar x[b,i] = \sum_m B'_m(x_{bi}) \sum_o g[b,o]\, c[o,i,m]`: ``[B, in]`` in ``x.dtype``."""
     fn = "kan_spline_dx"
     _check_args(fn, x, grid, coef, spline_order, g)
-    cfg = _config(fn, DX_DEFAULTS, block_b=block_b, block_in=block_in, block_out=block_out, block_m=block_m,
+    cfg = _config(fn, _defaults("dx", precision), block_b=block_b, block_k=block_k, block_out=block_out,
                   num_warps=num_warps, num_stages=num_stages)
     return _dx(x, grid, coef, g, spline_order, precision, interpret, cfg)
 
@@ -610,20 +685,19 @@ def kan_spline_backward(
 
     Runs the dcoef kernel (batch reduction inside each program, or ``batch_splits`` f32 partials summed by XLA:
     deterministic) and the dx kernel. ``dcoef_config`` / ``dx_config`` override entries of
-    :data:`DCOEF_DEFAULTS` / :data:`DX_DEFAULTS` (``block_b``, ``block_in``, ``block_out``, ``block_m``,
-    ``num_warps``, ``num_stages``). ``dx`` is in ``x.dtype``, ``dcoef`` in ``coef.dtype``; the dots run in
-    ``result_type(x, coef, g)``.
+    :data:`DCOEF_DEFAULTS` / :data:`DX_DEFAULTS` (``block_b``, ``block_k``, ``block_out``, ``num_warps``,
+    ``num_stages``), or of :data:`EXACT_F32_DEFAULTS` when ``precision`` asks for exact-f32 dots. ``dx`` is in
+    ``x.dtype``, ``dcoef`` in ``coef.dtype``; the dots run in ``result_type(x, coef, g)``.
     """
     fn = "kan_spline_backward"
     _check_args(fn, x, grid, coef, spline_order, g)
     configs = []
-    for name, defaults, given in (("dcoef_config", DCOEF_DEFAULTS, dcoef_config), ("dx_config", DX_DEFAULTS,
-                                                                                   dx_config)):
+    for name, defaults, given in (("dcoef_config", _defaults("dcoef", precision), dcoef_config),
+                                  ("dx_config", _defaults("dx", precision), dx_config)):
         given = dict(given or {})
-        unknown = set(given) - set(defaults) - {"num_stages"}
+        unknown = set(given) - set(defaults)
         if unknown:
-            raise ValueError(f"{fn}: '{name}' has unknown keys {sorted(unknown)}; allowed: "
-                             f"{sorted(set(defaults) | {'num_stages'})}")
+            raise ValueError(f"{fn}: '{name}' has unknown keys {sorted(unknown)}; allowed: {sorted(defaults)}")
         configs.append(_config(fn, defaults, **given))
     mdt, _ = _dtypes(x, coef, g)
     dcoef = _dcoef(fn, x, grid, g.astype(mdt), spline_order, coef.shape[2], coef.dtype, precision, interpret,
