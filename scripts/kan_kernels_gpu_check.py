@@ -120,9 +120,11 @@ def timed(name, fn, args, flops, repeats, rows):
         t = bm.time_fn(fn, *args, warmup=2, repeats=repeats)
     except Exception as e:  # noqa: BLE001 - report and go on (e.g. out of shared memory, bf16 dot on CPU)
         rows.append((f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", *[float("nan")] * 4))
+        print(f"  {rows[-1][0]}", flush=True)
         return
     rate = flops / (t["median_ms"] * 1e-3) / 1e12
     rows.append((name, t["median_ms"], t["p10_ms"], t["p90_ms"], rate))
+    print(f"  {name}: {t['median_ms']:.3f} ms", flush=True)  # as it comes: a time limit may cut the table
 
 
 # Alternatives to the defaults (K.FWD_DEFAULTS etc.): the runners-up of the session-4 H100 sweep and wider
@@ -140,6 +142,15 @@ SWEEP_HIGHEST = {  # IEEE f32 dots are FMA loops in registers: smaller tiles tha
     "dx": [dict(block_b=64, block_k=128, block_out=64, num_warps=8, num_stages=1),
            dict(block_b=64, block_k=64, block_out=64, num_warps=4, num_stages=1),
            dict(block_b=32, block_k=128, block_out=32, num_warps=4, num_stages=1)],
+}
+SWEEP_LARGE_GRID = {  # G=20: nbp=32, so block_k=128 leaves 4 inputs per tile; wider contractions
+    "fwd": [dict(block_b=128, block_k=256, block_out=128, num_warps=8, num_stages=1),
+            dict(block_b=64, block_k=256, block_out=256, num_warps=8, num_stages=1),
+            dict(block_b=64, block_k=512, block_out=128, num_warps=8, num_stages=1)],
+    "dcoef": [dict(block_b=64, block_k=256, block_out=128, num_warps=8, num_stages=1),
+              dict(block_b=64, block_k=512, block_out=64, num_warps=8, num_stages=1)],
+    "dx": [dict(block_b=128, block_k=256, block_out=64, num_warps=8, num_stages=1),
+           dict(block_b=64, block_k=512, block_out=64, num_warps=8, num_stages=1)],
 }
 SWEEP = {
     "fwd": [dict(block_b=128, block_k=128, block_out=256, num_warps=8, num_stages=1),
@@ -160,8 +171,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="B=129, in=17, out=33 (CPU interpret mode is slow)")
     p.add_argument("--sweep", action="store_true", help="also time a few block configurations per kernel")
-    p.add_argument("--sweep-set", choices=["tf32", "highest"], default="tf32",
-                   help="which configurations --sweep times (SWEEP or SWEEP_HIGHEST)")
+    p.add_argument("--sweep-set", choices=["tf32", "highest", "large-grid"], default="tf32",
+                   help="which configurations --sweep times (SWEEP, SWEEP_HIGHEST or SWEEP_LARGE_GRID)")
     p.add_argument("--grid-size", type=int, default=5)
     p.add_argument("--order", type=int, default=3, help="spline order k")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma list of {list(MODES)}")
@@ -206,7 +217,8 @@ def main(argv=None) -> int:
                                                          preferred_element_type=jnp.float32))
         timed(f"{mode} xla    GEMM only (basis precomputed)", gemm, (basis, coef), flops, repeats, rows)
         if args.sweep:
-            for kind, configs in (SWEEP_HIGHEST if args.sweep_set == "highest" else SWEEP).items():
+            for kind, configs in {"tf32": SWEEP, "highest": SWEEP_HIGHEST,
+                                  "large-grid": SWEEP_LARGE_GRID}[args.sweep_set].items():
                 for cfg in configs:
                     if kind == "fwd":
                         f = jax.jit(lambda x, grid, coef, p=precision, c=cfg:

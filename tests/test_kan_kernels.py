@@ -164,10 +164,15 @@ def test_f64_matches_reference_to_1e12():
         check_all(x, grid, coef, g, 3, 1e-12, blocks=dict(block_k=16))
 
 
-def test_large_grid_pads_the_bases_and_narrows_the_input_tile():
-    """G=20, k=5: NB=25 bases padded to 32 with zero tiles, 4 inputs per 128-wide contraction (default blocks)."""
+def test_large_grid_pads_the_bases_and_widens_the_contraction():
+    """G=20, k=5: NB=25 bases padded to 32 with zero tiles; the default tables ask for 8 inputs per tile in dcoef
+    (K=256) and allow 4 in the forward and dx (K=128); min_inputs=1 with block_k=32 is the narrowest case."""
     x, grid, coef, g = make_inputs(23, 9, 11, 6, 20, 5)
+    assert K._contraction_width(K.DCOEF_DEFAULTS, 25) == 256 and K._contraction_width(K.DX_DEFAULTS, 25) == 128
+    assert K._contraction_width(K.FWD_DEFAULTS, 25) == 128
+    assert K._contraction_width(K.DCOEF_DEFAULTS, 8) == 128  # G=5, k=3: unchanged
     check_all(x, grid, coef, g, 5, F32_TOL)
+    check_all(x, grid, coef, g, 5, F32_TOL, blocks=dict(min_inputs=1, block_k=32))
 
 
 def test_basis_tile_puts_basis_m_of_input_i_in_column_i_times_nbp_plus_m():
@@ -250,6 +255,8 @@ def test_bad_arguments_are_named():
         K.kan_spline_forward(x.astype(jnp.int32), grid, coef, 3)
     with pytest.raises(ValueError, match="'block_out' must be a power of two >= 16"):
         K.kan_spline_forward(x, grid, coef, 3, block_out=48)
+    with pytest.raises(ValueError, match="'min_inputs' .* must be a power of two >= 1, got 3"):
+        K.kan_spline_forward(x, grid, coef, 3, min_inputs=3)
     with pytest.raises(ValueError, match="'block_k' must be a power of two >= 16"):
         K.kan_spline_backward(x, grid, coef, g, 3, dx_config=dict(block_k=24))
     with pytest.raises(ValueError, match="'dcoef_config' has unknown keys \\['block_in'\\]"):

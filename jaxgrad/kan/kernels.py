@@ -122,18 +122,23 @@ __all__ = [
 # Upper bounds of the batch and output tiles (clipped to next_power_of_2 of each dimension, floor 16), the
 # contraction width block_k = bk * nbp, and Triton's launch parameters: the fastest of a timed H100 sweep (module
 # docstring; benchmarks/logs/kan-wide-probe-h100-20261123-1.log, f32 TF32, B=16384, 512->512, G=5, k=3).
-FWD_DEFAULTS = {"block_b": 128, "block_k": 128, "block_out": 256, "num_warps": 8, "num_stages": 2}
-DCOEF_DEFAULTS = {"block_b": 64, "block_k": 128, "block_out": 128, "num_warps": 8, "num_stages": 2}
-DX_DEFAULTS = {"block_b": 128, "block_k": 128, "block_out": 64, "num_warps": 8, "num_stages": 2}
+# min_inputs: the contraction widens to min_inputs * nbp when block_k would leave fewer inputs per tile. At G=20
+# (nbp=32) eight inputs per tile (block_k=256) took dcoef from 6.21 to 3.12 ms; dx did not gain (5.15 vs 5.29 ms)
+# (benchmarks/logs/kan-kernels-sweep-G20-h100-20261123.log). The forward gained too (3.86 -> 3.31 ms), but only with
+# block_out=128 and one stage: its [block_out, K] coefficient tiles at 256 x 256 and two stages need ~400 KB of shared
+# memory (the block has 227 KB), so it stays at K=128 by default.
+FWD_DEFAULTS = {"block_b": 128, "block_k": 128, "block_out": 256, "num_warps": 8, "num_stages": 2, "min_inputs": 1}
+DCOEF_DEFAULTS = {"block_b": 64, "block_k": 128, "block_out": 128, "num_warps": 8, "num_stages": 2, "min_inputs": 8}
+DX_DEFAULTS = {"block_b": 128, "block_k": 128, "block_out": 64, "num_warps": 8, "num_stages": 2, "min_inputs": 1}
 # Exact-f32 dots. IEEE (precision=HIGHEST) is an FMA loop in registers on Triton: the TF32 tiles spill and ran
 # 2.6-9x slower (fwd 37.8 ms, dcoef 24.2, dx 8.5); these are the fastest of
 # benchmarks/logs/kan-kernels-sweep-highest-h100-20261123.log: fwd 6.15 ms, dcoef 2.79, dx 2.42 (H100, same shapes).
 # 3-pass TF32 keeps hi/lo copies of the operands in shared memory: with the TF32 tiles it asked for ~400 KB of the
 # 227 KB a block has, so it uses these small tiles too.
 EXACT_F32_DEFAULTS = {
-    "fwd": {"block_b": 64, "block_k": 32, "block_out": 64, "num_warps": 4, "num_stages": 1},
-    "dcoef": {"block_b": 32, "block_k": 64, "block_out": 64, "num_warps": 4, "num_stages": 1},
-    "dx": {"block_b": 32, "block_k": 128, "block_out": 32, "num_warps": 4, "num_stages": 1},
+    "fwd": {"block_b": 64, "block_k": 32, "block_out": 64, "num_warps": 4, "num_stages": 1, "min_inputs": 1},
+    "dcoef": {"block_b": 32, "block_k": 64, "block_out": 64, "num_warps": 4, "num_stages": 1, "min_inputs": 1},
+    "dx": {"block_b": 32, "block_k": 128, "block_out": 32, "num_warps": 4, "num_stages": 1, "min_inputs": 1},
 }
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory a 2-stage pipeline may take (the hardware has 227 KB)
 
@@ -217,6 +222,10 @@ def _config(fn: str, defaults: dict, **given) -> dict:
         if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"{fn}: '{name}' must be a power of two >= 16 (Triton tl.dot), got {v!r}")
     _check_pos_int(fn, "num_warps", cfg["num_warps"], "Triton warps")
+    m = cfg["min_inputs"]
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m & (m - 1):
+        raise ValueError(f"{fn}: 'min_inputs' (inputs per basis tile, at least) must be a power of two >= 1, "
+                         f"got {m!r}")
     if cfg.get("num_stages") is not None:
         _check_pos_int(fn, "num_stages", cfg["num_stages"], "Triton pipeline stages")
     return cfg
@@ -333,6 +342,11 @@ def _mask2(rows_ok, cols_ok):
     return jnp.broadcast_to(rows_ok[:, None] & cols_ok[None, :], (rows_ok.shape[0], cols_ok.shape[0]))
 
 
+def _contraction_width(cfg: dict, nb: int) -> int:
+    """``block_k``, widened to ``min_inputs * nbp`` for a large grid."""
+    return max(cfg["block_k"], cfg["min_inputs"] * pl.next_power_of_2(nb))
+
+
 def _input_block(n_in: int, nbp: int, block_k: int) -> int:
     """Inputs per basis tile: ``block_k // nbp``, at least ``16 // nbp`` (``tl.dot`` needs ``K >= 16``), at most
     ``next_power_of_2(in)`` unless that minimum asks for more; a power of two."""
@@ -420,6 +434,7 @@ def kan_spline_forward(
     block_out: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    min_inputs: int | None = None,
 ) -> jax.Array:
     r"""Spline part of a KAN layer, :math:`y[b,o] = \sum_i \sum_m B_m(x_{bi})\, c[o,i,m]`, in one fused kernel.
 
@@ -435,6 +450,7 @@ def kan_spline_forward(
       block_b, block_out: batch and output tile upper bounds (powers of two >= 16); block_k: contraction width
         ``bk * nbp`` of each dot (power of two >= 16), see the module docstring.
       num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
+      min_inputs: the contraction widens to ``min_inputs * nbp`` when ``block_k`` would hold fewer inputs.
         Every launch argument left ``None`` comes from :data:`FWD_DEFAULTS`, or from :data:`EXACT_F32_DEFAULTS` when
         ``precision`` asks for exact-f32 dots.
     Returns:
@@ -443,12 +459,12 @@ def kan_spline_forward(
     fn = "kan_spline_forward"
     n_batch, n_in, n_out, _ = _check_args(fn, x, grid, coef, spline_order)
     cfg = _config(fn, _defaults("fwd", precision), block_b=block_b, block_k=block_k, block_out=block_out,
-                  num_warps=num_warps, num_stages=num_stages)
+                  num_warps=num_warps, num_stages=num_stages, min_inputs=min_inputs)
     if n_batch == 0 or n_out == 0 or n_in == 0:
         return jnp.zeros((n_batch, n_out), x.dtype)
     return _fwd_call(
         x, grid, coef, k=spline_order, precision=precision, interpret=pb.resolve_interpret(interpret),
-        bb=pb.block_size(n_batch, cfg["block_b"]), block_k=cfg["block_k"],
+        bb=pb.block_size(n_batch, cfg["block_b"]), block_k=_contraction_width(cfg, coef.shape[2]),
         bo=pb.block_size(n_out, cfg["block_out"]), num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages"))
 
 
@@ -533,10 +549,10 @@ def _dcoef(fn, x, grid, g, k, nb, out_dtype, precision, interpret, cfg, batch_sp
     bb, bo = pb.block_size(n_batch, cfg["block_b"]), pb.block_size(n_out, cfg["block_out"])
     n_bblocks = pl.cdiv(n_batch, bb)
     if batch_splits is None:
-        n_kb = _Geometry(n_in, nb, k, cfg["block_k"]).n_kb
+        n_kb = _Geometry(n_in, nb, k, _contraction_width(cfg, nb)).n_kb
         batch_splits = _auto_splits(n_kb * pl.cdiv(n_out, bo), n_bblocks, interp)
     return _dcoef_call(x, grid, g, nb=nb, k=k, precision=precision, interpret=interp, bb=bb,
-                       block_k=cfg["block_k"], bo=bo, splits=min(batch_splits, n_bblocks),
+                       block_k=_contraction_width(cfg, nb), bo=bo, splits=min(batch_splits, n_bblocks),
                        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages"), out_dtype=jnp.dtype(out_dtype))
 
 
@@ -556,6 +572,7 @@ def kan_spline_dcoef(
     batch_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    min_inputs: int | None = None,
 ) -> jax.Array:
     r""":math:`\bar c[o,i,m] = \sum_b g[b,o]\, B_m(x_{bi})`: ``[out, in, num_bases]`` in ``coef_dtype`` (default
     ``result_type(x, g)``). ``num_bases = G + k``; ``batch_splits`` (``None``: automatic) splits the batch
@@ -568,7 +585,7 @@ def kan_spline_dcoef(
     coef_like = jax.ShapeDtypeStruct((n_out, n_in, num_bases), out_dtype or jnp.float32)
     _check_args(fn, x, grid, coef_like, spline_order, g)
     cfg = _config(fn, _defaults("dcoef", precision), block_b=block_b, block_k=block_k, block_out=block_out,
-                  num_warps=num_warps, num_stages=num_stages)
+                  num_warps=num_warps, num_stages=num_stages, min_inputs=min_inputs)
     return _dcoef(fn, x, grid, g, spline_order, num_bases, out_dtype or jnp.result_type(x.dtype, g.dtype),
                   precision, interpret, cfg, batch_splits)
 
@@ -628,11 +645,11 @@ def _dx_call(x, grid, coef, g, *, k, precision, interpret, bb, block_k, bo, num_
 
 def _dx(x, grid, coef, g, k, precision, interpret, cfg):
     n_batch, n_in = x.shape
-    n_out = coef.shape[0]
+    n_out, _, nb = coef.shape
     if n_batch == 0 or n_in == 0 or n_out == 0:
         return jnp.zeros((n_batch, n_in), x.dtype)
     return _dx_call(x, grid, coef, g, k=k, precision=precision, interpret=pb.resolve_interpret(interpret),
-                    bb=pb.block_size(n_batch, cfg["block_b"]), block_k=cfg["block_k"],
+                    bb=pb.block_size(n_batch, cfg["block_b"]), block_k=_contraction_width(cfg, nb),
                     bo=pb.block_size(n_out, cfg["block_out"]), num_warps=cfg["num_warps"],
                     num_stages=cfg.get("num_stages"))
 
@@ -651,12 +668,13 @@ def kan_spline_dx(
     block_out: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    min_inputs: int | None = None,
 ) -> jax.Array:
     r""":math:`\bar x[b,i] = \sum_m B'_m(x_{bi}) \sum_o g[b,o]\, c[o,i,m]`: ``[B, in]`` in ``x.dtype``."""
     fn = "kan_spline_dx"
     _check_args(fn, x, grid, coef, spline_order, g)
     cfg = _config(fn, _defaults("dx", precision), block_b=block_b, block_k=block_k, block_out=block_out,
-                  num_warps=num_warps, num_stages=num_stages)
+                  num_warps=num_warps, num_stages=num_stages, min_inputs=min_inputs)
     return _dx(x, grid, coef, g, spline_order, precision, interpret, cfg)
 
 
@@ -686,8 +704,8 @@ def kan_spline_backward(
     Runs the dcoef kernel (batch reduction inside each program, or ``batch_splits`` f32 partials summed by XLA:
     deterministic) and the dx kernel. ``dcoef_config`` / ``dx_config`` override entries of
     :data:`DCOEF_DEFAULTS` / :data:`DX_DEFAULTS` (``block_b``, ``block_k``, ``block_out``, ``num_warps``,
-    ``num_stages``), or of :data:`EXACT_F32_DEFAULTS` when ``precision`` asks for exact-f32 dots. ``dx`` is in
-    ``x.dtype``, ``dcoef`` in ``coef.dtype``; the dots run in ``result_type(x, coef, g)``.
+    ``num_stages``, ``min_inputs``), or of :data:`EXACT_F32_DEFAULTS` when ``precision`` asks for exact-f32
+    dots. ``dx`` is in ``x.dtype``, ``dcoef`` in ``coef.dtype``; the dots run in ``result_type(x, coef, g)``.
     """
     fn = "kan_spline_backward"
     _check_args(fn, x, grid, coef, spline_order, g)
