@@ -217,15 +217,13 @@ def _config(fn: str, defaults: dict, **given) -> dict:
     """Merge non-None arguments over ``defaults`` and validate them."""
     cfg = dict(defaults)
     cfg.update({name: v for name, v in given.items() if v is not None})
-    for name in ("block_b", "block_k", "block_out"):
+    for name, least, what in (("block_b", 16, " (Triton tl.dot)"), ("block_k", 16, " (Triton tl.dot)"),
+                              ("block_out", 16, " (Triton tl.dot)"), ("min_inputs", 1, "")):
         v = cfg[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"{fn}: '{name}' must be a power of two >= 16 (Triton tl.dot), got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < least or v & (v - 1):
+            label = f"'{name}' (inputs per basis tile, at least)" if name == "min_inputs" else f"'{name}'"
+            raise ValueError(f"{fn}: {label} must be a power of two >= {least}{what}, got {v!r}")
     _check_pos_int(fn, "num_warps", cfg["num_warps"], "Triton warps")
-    m = cfg["min_inputs"]
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m & (m - 1):
-        raise ValueError(f"{fn}: 'min_inputs' (inputs per basis tile, at least) must be a power of two >= 1, "
-                         f"got {m!r}")
     if cfg.get("num_stages") is not None:
         _check_pos_int(fn, "num_stages", cfg["num_stages"], "Triton pipeline stages")
     return cfg
@@ -373,8 +371,8 @@ class _Geometry:
 # ---------------------------------------------------------------------------------------------------------------
 # Forward kernel
 # ---------------------------------------------------------------------------------------------------------------
-def _fwd_kernel(x_ref, t_ref, c_ref, y_ref, *, n_batch, n_in, bb, bk, n_kb, k, nb, nbp, n_rows, precision, cdt,
-                mdt):
+def _fwd_kernel(x_ref, t_ref, c_ref, y_ref, *, n_batch, n_in, n_out, bb, bk, n_kb, k, nb, nbp, n_rows, precision,
+                cdt, mdt):
     row_ok = (pl.program_id(0) * bb + jnp.arange(bb)) < n_batch
     kw = bk * nbp
 
@@ -388,7 +386,7 @@ def _fwd_kernel(x_ref, t_ref, c_ref, y_ref, *, n_batch, n_in, bb, bk, n_kb, k, n
         return acc + _dot(c, a, precision, cdt, contract=((1,), (1,)))  # y^T[bo, bb] += C[bo, K] @ A^T[K, bb]
 
     acc = lax.fori_loop(0, n_kb, body, jnp.zeros((c_ref.shape[0], bb), cdt))
-    pb.masked_store(y_ref, acc.T, jnp.broadcast_to(row_ok[:, None], (bb, c_ref.shape[0])))
+    pb.masked_store(y_ref, acc.T, pb.block_mask(y_ref.shape, (n_batch, n_out)))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "precision", "interpret", "bb", "block_k", "bo", "num_warps",
@@ -401,11 +399,12 @@ def _fwd_call(x, grid, coef, *, k, precision, interpret, bb, block_k, bo, num_wa
     n_ob = pl.cdiv(n_out, bo)
     t = _knot_tables(grid, cdt, k, geo.n_rows, geo.in_pad)  # [(k+1) n_rows, in_pad]
     c = _coef_flat(coef, geo.nbp, geo.in_pad, n_ob * bo, mdt)  # [out_pad, in_pad * nbp]
-    kernel = functools.partial(_fwd_kernel, n_batch=n_batch, n_in=n_in, bb=bb, bk=geo.bk, n_kb=geo.n_kb, k=k,
-                               nb=nb, nbp=geo.nbp, n_rows=geo.n_rows, precision=precision, cdt=cdt, mdt=mdt)
-    y = pb.pallas_call(
+    kernel = functools.partial(_fwd_kernel, n_batch=n_batch, n_in=n_in, n_out=n_out, bb=bb, bk=geo.bk,
+                               n_kb=geo.n_kb, k=k, nb=nb, nbp=geo.nbp, n_rows=geo.n_rows, precision=precision,
+                               cdt=cdt, mdt=mdt)
+    return pb.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_batch, n_ob * bo), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_batch, n_out), x.dtype),
         grid=(pl.cdiv(n_batch, bb), n_ob),
         in_specs=[
             pl.BlockSpec((bb, geo.in_pad), lambda b, o: (b, 0)),
@@ -418,7 +417,6 @@ def _fwd_call(x, grid, coef, *, k, precision, interpret, bb, block_k, bo, num_wa
         num_warps=num_warps,
         num_stages=_stages(num_stages, bo * geo.kw * mdt.itemsize),
     )(x, t, c)
-    return y[:, :n_out]
 
 
 def kan_spline_forward(
@@ -548,11 +546,12 @@ def _dcoef(fn, x, grid, g, k, nb, out_dtype, precision, interpret, cfg, batch_sp
     interp = pb.resolve_interpret(interpret)
     bb, bo = pb.block_size(n_batch, cfg["block_b"]), pb.block_size(n_out, cfg["block_out"])
     n_bblocks = pl.cdiv(n_batch, bb)
+    block_k = _contraction_width(cfg, nb)
     if batch_splits is None:
-        n_kb = _Geometry(n_in, nb, k, _contraction_width(cfg, nb)).n_kb
+        n_kb = _Geometry(n_in, nb, k, block_k).n_kb
         batch_splits = _auto_splits(n_kb * pl.cdiv(n_out, bo), n_bblocks, interp)
     return _dcoef_call(x, grid, g, nb=nb, k=k, precision=precision, interpret=interp, bb=bb,
-                       block_k=_contraction_width(cfg, nb), bo=bo, splits=min(batch_splits, n_bblocks),
+                       block_k=block_k, bo=bo, splits=min(batch_splits, n_bblocks),
                        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages"), out_dtype=jnp.dtype(out_dtype))
 
 
