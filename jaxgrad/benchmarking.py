@@ -42,10 +42,12 @@ import datetime as _dt
 import importlib.metadata
 import json
 import math
+import os
 import pathlib
 import platform
 import re
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -108,8 +110,28 @@ def _matmul_precision_label(platform_name: str) -> str:
     return str(value)
 
 
+def provenance() -> dict[str, Any]:
+    """The commit measured, whether the tree had uncommitted changes, and the command line.
+
+    From ``git`` where the checkout has its history; on a machine that got a copy of the tree without it (the GPU
+    machines), from ``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY``, set by whoever launched the run."""
+    commit, dirty = os.environ.get("JAXGRAD_COMMIT"), os.environ.get("JAXGRAD_DIRTY")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, check=True, timeout=10).stdout
+        dirty = "yes" if status.strip() else "no"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"commit": commit or "unknown", "dirty": dirty or "unknown",
+            "command": " ".join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else ""}
+
+
 def environment() -> dict[str, Any]:
-    """What the numbers were measured on: device, software versions, matmul precision, host and UTC time."""
+    """What the numbers were measured on: device, software versions, matmul precision, host, UTC time, and the
+    commit and command line (:func:`provenance`)."""
     dev = jax.devices()[0]
     env: dict[str, Any] = {
         "device_kind": dev.device_kind,
@@ -124,6 +146,7 @@ def environment() -> dict[str, Any]:
         "matmul_precision": _matmul_precision_label(dev.platform),
         "hostname": socket.gethostname(),
         "machine": platform.machine(),
+        **provenance(),
     }
     try:  # which Pallas backend the kernels compile to (interpret mode off-GPU)
         from jaxgrad import pallas_backend
@@ -499,6 +522,7 @@ def format_table(rows: Sequence[Row], env: Mapping[str, Any] | None = None) -> s
         f"# jax {env.get('jax')}, jaxlib {env.get('jaxlib')}, cuda plugin {env.get('cuda_plugin')}, "
         f"python {env.get('python')}",
         f"# matmul precision: {env.get('matmul_precision')}; pallas: {env.get('pallas')}",
+        f"# commit {env.get('commit')} (uncommitted changes: {env.get('dirty')}); command: {env.get('command')}",
         "# floor = max(flops / peak FLOP/s, bytes_moved / HBM B/s); frac = floor / median; "
         "memory in MiB (compiled = arg+out+temp of the variant; peak = process-wide high-water mark)",
     ]

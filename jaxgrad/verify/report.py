@@ -12,6 +12,7 @@ import jax
 
 from jaxgrad.verify.diagnose import Diagnosis
 from jaxgrad.verify.precision import ErrorModel
+from jaxgrad.verify.stats import LeafStatistics
 
 __all__ = ["Check", "LeafResult", "VJPReport", "environment"]
 
@@ -53,21 +54,24 @@ class LeafResult:
     bound_source: str
     n_terms: int
     kappa: float  # ||sum|terms| || / ||g*||: the normwise condition number of this gradient
-    passed: bool  # both gates: per entry (normalized_err <= bound) and, for as-called rows, the rounding witness
+    passed: bool  # both gates: per entry (normalized_err <= bound) and, for as-called rows, the statistics
     verdict: str
     diagnosis: Diagnosis | None
-    # The rounding witness (as-called rows only; None for float64 rows or where the reference cannot run as called):
-    ref_rel_err: float | None = None  # ||g_ref - g*|| / ||g*|| of the reference's own VJP at the as-called precision
-    witness_limit: float | None = None  # rel_err above this fails: max(100 ref_rel_err, 100 u_op, 0.01)
-    witness_passed: bool = True
+    # The modelled rounding (as-called rows only; None for float64 rows or where the reference cannot run as called):
+    ref_rel_err: float | None = None  # RMS ||r_k|| / ||g*|| of the reference emulated at the run's precision
+    stats: LeafStatistics | None = None  # the statistical verdict (stats.py)
 
     @property
     def per_entry_passed(self) -> bool:
         return self.normalized_err <= self.bound
 
     @property
-    def witness_ratio(self) -> float | None:
-        """rel_err / ref_rel_err: how far above the reference's own rounding this gradient is."""
+    def statistics_passed(self) -> bool:
+        return self.stats is None or self.stats.passed
+
+    @property
+    def model_ratio(self) -> float | None:
+        """rel_err / ref_rel_err: how far above the modelled rounding this gradient's normwise error is."""
         if self.ref_rel_err is None:
             return None
         return self.rel_err / self.ref_rel_err if self.ref_rel_err > 0 else float("inf")
@@ -88,9 +92,7 @@ def _verdict_cell(lf: LeafResult) -> str:
         return "matches to rounding"
     if not lf.per_entry_passed:
         return f"BUG ({lf.normalized_err / lf.bound:.1e}x bound)"
-    ratio = lf.witness_ratio
-    times = "inf" if ratio is None or ratio == float("inf") else f"{ratio:.1e}"
-    return f"BUG (normwise {lf.rel_err:.3g} = {times}x the reference's own rounding)"
+    return "BUG (statistics: " + ", ".join(lf.stats.failed) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,15 +132,18 @@ class VJPReport:
                  "-" if lf.ref_rel_err is None else f"{lf.ref_rel_err:.1e}", f"{lf.cosine:.6f}",
                  f"{lf.normalized_err:.2e}", str(lf.n_terms), f"{lf.bound:.1e}", _verdict_cell(lf)]
                 for lf in self.leaves]
-        out += _fmt_table(["leaf", "shape", "run", "rel.err(norm)", "ref rel.err", "cosine", "max err/sum|t|", "N",
+        out += _fmt_table(["leaf", "shape", "run", "rel.err(norm)", "model rel.err", "cosine", "max err/sum|t|", "N",
                            "bound", "verdict"], rows)
         sources = {lf.run: lf.bound_source for lf in self.leaves}
         out.append("  bound = " + "; ".join(f"{run} run: {src}" for run, src in sources.items())
                    + "  (N: longest accumulation behind the gradient)")
-        if any(lf.ref_rel_err is not None for lf in self.leaves):
-            out.append(f"  rounding witness ({self.precision.precision} rows): ref rel.err = the reference's own VJP "
-                       "at the same dtypes/precision vs float64; a leaf also fails when rel.err > max(100 x ref "
-                       f"rel.err, 100 u_op = {100 * self.precision.u_op:.2g}, 0.01)")
+        with_stats = [lf for lf in self.leaves if lf.stats is not None]
+        if with_stats:
+            st0 = with_stats[0].stats
+            out.append(f"  statistics ({self.precision.precision} rows; the reference emulated at {self.precision.precision} "
+                       f"at {st0.replicas} perturbed points is the rounding the run should have; false-alarm rate "
+                       f"{st0.alpha:g} per leaf under that model; model rel.err = its RMS normwise error):")
+            out += [f"    {lf.name}: {lf.stats.summary()}" for lf in with_stats]
         if self.failures:
             out.append("  diagnosis:")
             out += [f"    - {lf.name} ({lf.run}): "
@@ -152,7 +157,7 @@ class VJPReport:
         if self.passed:
             out.append("  VERDICT: PASS -- every gradient matches the reference to rounding")
         else:
-            bad = [f"{lf.name} ({lf.run}{'' if not lf.per_entry_passed else ', rounding witness'})"
+            bad = [f"{lf.name} ({lf.run}{'' if not lf.per_entry_passed else ', statistics'})"
                    for lf in self.failures] + [c.name for c in self.checks if not c.passed]
             out.append("  VERDICT: FAIL -- " + ", ".join(bad))
         return "\n".join(out)

@@ -1,8 +1,9 @@
-"""The rounding witness: a normwise gate that catches layout bugs the per-entry gate cannot see.
+"""Cancelling sums: layout bugs the per-entry gate cannot see are caught by the statistical verdict.
 
 For a gradient that is itself a heavily cancelling sum (the seed CNN's weight gradients on white noise: kappa =
 ||sum|terms| || / ||g|| ~ 1e4..1e5), a flipped weight gradient's error divided by sum|terms| falls below the
-per-entry bound. Its normwise error stays O(1), millions of times what rounding does to the reference itself.
+per-entry bound. Its normwise error stays O(1), thousands of times the modelled rounding (the reference run at the
+same precision at perturbed points), and the statistics fail it.
 """
 
 import functools
@@ -15,7 +16,6 @@ import pytest
 from jaxgrad.cnn import denoiser
 from jaxgrad.cnn.conv import conv2d
 from jaxgrad.verify import check_vjp
-from jaxgrad.verify.core import WITNESS_FACTOR, WITNESS_FLOOR, witness_limit
 from jaxgrad.verify.report import LeafResult
 
 SIZE = 128  # per-entry misses a flipped conv1/conv3 weight gradient from here on (kappa ~ 1e5)
@@ -90,43 +90,29 @@ def test_correct_denoiser_passes_both_gates(cnn_args):
     rep = _check(_denoiser_loss(None), cnn_args)
     assert rep.passed, str(rep)
     for lf in rep.leaves:
-        assert lf.ref_rel_err is not None and lf.witness_passed
-        if rep.precision.precision == "f32":  # CPU: same rounding as the reference, within 10x
-            assert lf.rel_err <= 10 * lf.ref_rel_err + 1e-6, str(rep)
-        # On a GPU the custom VJP's convs run TF32 (rel. err 2e-3..2.5e-2 on an H100) while the reference's small
-        # per-tap einsums do not (~1e-7): only the witness limit (100 u_tf32 = 0.049) applies, asserted above.
-    assert "ref rel.err" in str(rep)
+        assert lf.stats is not None and lf.stats.passed and lf.ref_rel_err is not None
+    assert "model rel.err" in str(rep) and "false-alarm rate" in str(rep)
 
 
 @pytest.mark.parametrize("layer", [0, 2])
-def test_flipped_weight_gradient_passes_per_entry_but_fails_the_witness(cnn_args, layer):
+def test_flipped_weight_gradient_passes_per_entry_but_fails_the_statistics(cnn_args, layer):
     rep = _check(_denoiser_loss(layer), cnn_args)
     bad = rep.leaf(f"params[{layer}]['w']", rep.precision.precision)
     assert bad.kappa > 1e4  # the cancelling-sum regime
     assert bad.normalized_err < bad.bound, "per-entry gate caught it: this case no longer shows the gap"
-    assert bad.per_entry_passed and not bad.witness_passed and not bad.passed
-    assert bad.rel_err > 0.5 and bad.rel_err / bad.ref_rel_err > 1e5
+    assert bad.per_entry_passed and not bad.statistics_passed and not bad.passed
+    assert bad.rel_err > 0.5 and bad.model_ratio > 1e3
     assert bad.diagnosis_kind == "flip", bad.verdict
     assert not rep.passed
     text = str(rep)
-    assert "rounding witness" in text and "the reference's own rounding" in text
-    assert f"params[{layer}]['w'] ({rep.precision.precision}, rounding witness)" in text
+    assert f"params[{layer}]['w'] ({rep.precision.precision}, statistics)" in text
     assert "spatial flip" in text
     for lf in rep.leaves:  # every other leaf (dx is correct) passes
         if lf is not bad:
             assert lf.passed, str(rep)
 
 
-def test_witness_limit_constants():
-    u_f32, u_tf32, u_bf16 = 2.0**-24, 2.0**-11, 2.0**-8
-    assert witness_limit(1e-7, u_f32) == WITNESS_FLOOR == 0.01
-    assert witness_limit(1e-7, u_tf32) == pytest.approx(WITNESS_FACTOR * u_tf32)  # 0.049 > 1.1e-2 measured (H100)
-    assert witness_limit(1e-7, u_bf16) == pytest.approx(0.39, abs=0.01)
-    assert witness_limit(1e-2, u_bf16) == pytest.approx(1.0)
-    assert witness_limit(1e-7, u_tf32) < 0.69  # the smallest planted layout bug on the CNN (H100)
-
-
-def test_witness_is_skipped_with_a_note_when_the_reference_cannot_run_as_called():
+def test_statistics_are_skipped_with_a_note_when_the_reference_cannot_run_as_called():
     @jax.custom_vjp
     def ref(x):
         return jnp.sin(x)
@@ -143,12 +129,12 @@ def test_witness_is_skipped_with_a_note_when_the_reference_cannot_run_as_called(
     x = jnp.linspace(0.1, 1.0, 7, dtype=jnp.float32)
     rep = check_vjp(jnp.sin, ref, x, fd=False, adjoint=False)
     assert rep.passed, str(rep)
-    assert all(lf.ref_rel_err is None for lf in rep.leaves)
-    assert any("rounding witness skipped" in n for n in rep.notes), rep.notes
+    assert all(lf.ref_rel_err is None and lf.stats is None for lf in rep.leaves)
+    assert any("statistical verdict skipped" in n for n in rep.notes), rep.notes
 
 
 def test_leaf_result_keeps_its_old_constructor():
     lf = LeafResult(name="w", run="f32", shape=(2,), rel_err=0.0, max_abs_ratio=0.0, cosine=1.0, normalized_err=0.0,
                     median_normalized_err=0.0, worst_index=(0,), bound=1e-5, bound_source="", n_terms=1, kappa=1.0,
                     passed=True, verdict="matches to rounding", diagnosis=None)
-    assert lf.ref_rel_err is None and lf.witness_limit is None and lf.witness_passed and lf.witness_ratio is None
+    assert lf.ref_rel_err is None and lf.stats is None and lf.statistics_passed and lf.model_ratio is None

@@ -1,0 +1,200 @@
+r"""Correct low-precision kernels and planted systematic bugs, to measure what the statistical verdict can see.
+
+Each case is a hand-written ``jax.custom_vjp`` that computes as a tensor-core kernel does -- operands of every
+product rounded to the precision (``lax.reduce_precision``), f32 accumulation, its own masks and softmax -- next to
+the plain-JAX reference it must match:
+
+* ``dense``: ``y = x W + b``; the planted leaf is ``W`` (``n_in x n_out`` entries).
+* ``conv_relu``: ``y = relu(conv3x3(x, w) + b)``, SAME padding; the planted leaf is ``x`` (behind ReLU kinks).
+* ``attention``: ``y = softmax(q k^T / sqrt(d)) v``; the planted leaf is ``q``.
+* ``long_sum``: ``y = x W`` with a batch of ``size`` rows, so every entry of ``dW`` is a ``size``-term sum; the
+  planted leaf is ``W``.
+
+:func:`leaf_errors` returns, for the planted leaf, what :func:`jaxgrad.verify.stats.leaf_statistics` judges: the
+kernel's error against the float64 oracle, K rounding samples of the reference at the precision, the oracle, the
+sum of |terms| and the kink term. A planted bug is then added to the kernel's gradient (a scale ``(1 + s)``, or an
+error confined to the last 1% of the entries), so one set of samples serves every bug size.
+``scripts/verify_detection_limits.py`` and ``scripts/verify_false_alarms.py`` use these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxgrad.verify.emulate import OPERAND_FORMAT
+from jaxgrad.verify.hypothesis import float64_oracle, sample_rounding
+from jaxgrad.verify.magnitude import magnitudes
+from jaxgrad.verify.precision import ErrorModel
+
+__all__ = ["OPS", "Case", "LeafErrors", "leaf_errors", "make_case"]
+
+OPS = ("dense", "conv_relu", "attention", "long_sum")
+_HI = lax.Precision.HIGHEST
+_DN = ("NHWC", "HWIO", "NHWC")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    fn: Callable  # the correct low-precision kernel (custom VJP)
+    reference: Callable
+    args: tuple
+    leaf: int  # index of the planted argument
+
+
+def _rounder(precision: str) -> Callable:
+    fmt = OPERAND_FORMAT[precision]
+    return (lambda a: a) if fmt is None else (lambda a: lax.reduce_precision(a, *fmt))
+
+
+def _dense(precision):
+    r = _rounder(precision)
+
+    def ref(x, w, b):
+        return jnp.dot(x, w, precision=_HI) + b
+
+    @jax.custom_vjp
+    def f(x, w, b):
+        return jnp.dot(r(x), r(w), precision=_HI) + b
+
+    def fwd(x, w, b):
+        return f(x, w, b), (x, w)
+
+    def bwd(res, g):
+        x, w = res
+        # dW accumulated in two halves of the batch (another summation order than the reference's)
+        h = x.shape[0] // 2
+        dw = jnp.dot(r(x[:h]).T, r(g[:h]), precision=_HI) + jnp.dot(r(x[h:]).T, r(g[h:]), precision=_HI)
+        return jnp.dot(r(g), r(w).T, precision=_HI), dw, jnp.sum(r(g), axis=0)
+
+    f.defvjp(fwd, bwd)
+    return f, ref
+
+
+def _conv_relu(precision):
+    r = _rounder(precision)
+
+    def conv(x, w):
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_DN, precision=_HI)
+
+    def ref(x, w, b):
+        return jax.nn.relu(conv(x, w) + b)
+
+    @jax.custom_vjp
+    def f(x, w, b):
+        return jax.nn.relu(conv(r(x), r(w)) + b)
+
+    def fwd(x, w, b):
+        z = conv(r(x), r(w)) + b
+        return jax.nn.relu(z), (x, w, z > 0)
+
+    def bwd(res, g):
+        x, w, mask = res
+        gz = jnp.where(mask, g, 0.0)
+        _, pb = jax.vjp(conv, r(x), r(w))
+        dx, dw = pb(r(gz))
+        return dx, dw, jnp.sum(r(gz), axis=(0, 1, 2))
+
+    f.defvjp(fwd, bwd)
+    return f, ref
+
+
+def _attention(precision):
+    r = _rounder(precision)
+
+    def ref(q, k, v):
+        s = jnp.dot(q, k.T, precision=_HI) / math.sqrt(q.shape[-1])
+        return jnp.dot(jax.nn.softmax(s, axis=-1), v, precision=_HI)
+
+    def probs(q, k):
+        return jax.nn.softmax(jnp.dot(r(q), r(k).T, precision=_HI) / math.sqrt(q.shape[-1]), axis=-1)
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        return jnp.dot(r(probs(q, k)), r(v), precision=_HI)
+
+    def fwd(q, k, v):
+        return f(q, k, v), (q, k, v)
+
+    def bwd(res, g):
+        q, k, v = res
+        p = probs(q, k)  # recomputed, as a flash-attention backward does
+        scale = 1 / math.sqrt(q.shape[-1])
+        dv = jnp.dot(r(p).T, r(g), precision=_HI)
+        dp = jnp.dot(r(g), r(v).T, precision=_HI)
+        ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True))
+        dq = jnp.dot(r(ds), r(k), precision=_HI) * scale
+        dk = jnp.dot(r(ds).T, r(q), precision=_HI) * scale
+        return dq, dk, dv
+
+    f.defvjp(fwd, bwd)
+    return f, ref
+
+
+def make_case(op: str, size: int, precision: str, rng: np.random.Generator, dtype=jnp.float32) -> Case:
+    """A correct ``precision`` kernel for ``op`` whose planted leaf has about ``size`` entries, on white noise."""
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    if op in ("dense", "long_sum"):
+        f, ref = _dense(precision)
+        if op == "dense":
+            n_in = max(2, round(math.sqrt(size * 1.25)))
+            n_out = max(2, size // n_in)
+            args = (normal(16, n_in), normal(n_in, n_out) / math.sqrt(n_in), normal(n_out))
+        else:
+            args = (normal(size, 5), normal(5, 3), normal(3))
+        return Case(op, f, ref, args, 1)
+    if op == "conv_relu":
+        f, ref = _conv_relu(precision)
+        side = max(2, round(math.sqrt(size / 4)))
+        return Case(op, f, ref, (normal(1, side, side + 1, 4), normal(3, 3, 4, 6) / 6.0, normal(6)), 0)
+    if op == "attention":
+        f, ref = _attention(precision)
+        d = 8 if size <= 64 else 16 if size <= 1024 else 64 if size <= 16384 else 128
+        seq = max(2, size // d)
+        return Case(op, f, ref, (normal(seq, d), normal(seq + 3, d), normal(seq + 3, d + 1)), 0)
+    raise ValueError(f"make_case: op must be one of {OPS}, got {op!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafErrors:
+    """What the statistical verdict sees of one leaf (see :func:`jaxgrad.verify.stats.leaf_statistics`)."""
+
+    error: np.ndarray  # the kernel's gradient minus the float64 oracle
+    gradient: np.ndarray  # the kernel's gradient
+    replicas: np.ndarray  # [K, ...] rounding samples of the reference at the precision
+    oracle: np.ndarray
+    magnitude: np.ndarray  # sum of |terms|
+    kink: np.ndarray | None
+
+
+def leaf_errors(case: Case, precision: str, replicas: int, rng: np.random.Generator) -> LeafErrors:
+    """Errors of ``case``'s planted leaf: the kernel's, and ``replicas`` samples of the modelled rounding."""
+    y, pb = jax.vjp(case.fn, *case.args)
+    ct = jnp.asarray(rng.standard_normal(y.shape), y.dtype)
+    g = np.asarray(pb(ct)[case.leaf], np.float64)
+
+    def fwd_and_vjp(a, c):
+        out, pull = jax.vjp(case.reference, *a)
+        return out, pull(c)
+
+    oracle = float64_oracle(fwd_and_vjp)
+    samples = sample_rounding(fwd_and_vjp, case.args, ct, precision, replicas, rng, oracle)
+    truth = oracle(case.args, ct)
+    j = 1 + case.leaf  # flat outputs: the forward output, then the gradients
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+        a64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), case.args)
+        c64 = jnp.asarray(ct, jnp.float64)
+        mags = magnitudes(fwd_and_vjp, a64, c64)
+        kink = None
+        if mags.rounded_comparisons:
+            mk = magnitudes(fwd_and_vjp, a64, c64, kink_bound=ErrorModel(precision, 8.0, "").bound)
+            kink = np.asarray(mk.kinks[j], np.float64) if mk.kink_counts[j] else None
+    return LeafErrors(error=g - truth[j], gradient=g, replicas=samples.errors[j], oracle=truth[j],
+                      magnitude=np.asarray(mags.magnitudes[j], np.float64), kink=kink)

@@ -1,0 +1,226 @@
+r"""The statistical verdict: is ``fn``'s error distributed like rounding at the precision it computes in?
+
+Rounding error is nearly independent of the true value and from entry to entry; a bug is systematic. So the error
+``e = g - g*`` of the run under test (``g*``: the float64 oracle) is compared with :math:`K` independent samples of
+the error the computation *should* have, ``r_k = g_p(x_k) - g*(x_k)``: the reference run at precision ``p``
+(:mod:`jaxgrad.verify.emulate`) at the same point perturbed by a few ulps (new rounding, same math), each against
+its own float64 oracle. Four tests, each with a threshold derived from the model and a false-alarm rate
+:math:`\alpha` (the model: ``e`` and every ``r_k`` are independent zero-mean Gaussian vectors, entries independent,
+``e`` at most ``IMPLEMENTATION_FACTOR`` (:math:`c`) times the RMS of ``r_k``):
+
+1. **Normwise.** :math:`R = \|e_\perp\|^2 / \overline{\|r_{k\perp}\|^2}` (components orthogonal to ``g*``, so a
+   scale error does not count twice) is :math:`F(d, Kd)`-distributed with ``d`` effective degrees of freedom
+   (the participation ratio of the per-entry variances); it fails above :math:`c^2 F^{-1}_{1-\alpha}(d, Kd)`.
+2. **Scale / sign bias.** :math:`\beta = \langle e, g^*\rangle / \|g^*\|^2` (a gradient ``(1+s) g*`` gives
+   ``beta = s``). Its rounding spread :math:`\sigma_\beta` is the larger of the replicas' RMS ``beta_k`` (which
+   sees correlated errors) and :math:`\sqrt{\sum_i v_i g_i^{*2}} / \|g^*\|^2` (independent entries), times
+   :math:`\rho` (below); it fails when :math:`|\beta| > \max(t^{-1}_{K,1-\alpha/2}\,\sigma_\beta, \delta_p)`.
+   :math:`\delta_p = u_p / 8` is the systematic bias a correct unit may carry (e.g. truncated alignment in a
+   tensor core's adder tree); a TF32 conversion that truncates instead of rounding (about :math:`-1.4 u_p` per
+   product) is above it and is reported.
+3. **Entries.** :math:`z_i^2 = e_i^2 / (\rho^2 v_i)` with the per-entry variance
+   :math:`v_i = \overline{r_{ki}^2} + \kappa_i^2 + (u_{f32} g^*_i)^2` (replicas, the kink jump
+   :math:`\kappa_i` where a rounded comparison may flip, and one f32 rounding of the result);
+   :math:`e_i^2/\overline{r_{ki}^2}` is :math:`F(1, K)`, so the largest fails above
+   :math:`F^{-1}_{1-\alpha/n}(1, K)` (Bonferroni over the ``n`` entries).
+4. **Slices.** For every axis of a leaf with two or more axes, and every index along it (a row, a column, a
+   channel, a border): :math:`T = \sum_{i \in S} z_i^2`, a sum of ``n_S`` :math:`F(1, K)` terms; fails above its
+   :math:`1 - \alpha / n_{\text{slices}}` quantile, the larger of a moment-matched scaled :math:`\chi^2` (the bulk)
+   and the heavy tail of one large term, :math:`(n_S - 1) E F + F^{-1}_{1-\alpha'/n_S}(1, K)`. An
+   error confined to a border row, a stale column or a ragged last block stands out here even when the leaf's
+   norm hides it.
+
+:math:`\rho`, how much more ``fn`` rounds than the emulated reference, is estimated robustly from the median of
+:math:`e_{\perp i}^2 / v_i` (the error orthogonal to ``g*``, so a scale bug does not inflate the spread that judges
+it; the median, so a bug confined to a few entries does not either) and used as :math:`\max(1, \rho)` in 2-4;
+test 1 bounds it. :math:`\alpha` is split evenly over the four tests of a leaf (``FALSE_ALARM_RATE`` per leaf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from scipy import stats as sps
+
+__all__ = ["FALSE_ALARM_RATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "LeafStatistics", "bias_floor", "entry_variance",
+           "leaf_statistics"]
+
+REPLICAS = 16  # K: rounding realisations of the reference at the hypothesis precision
+FALSE_ALARM_RATE = 1e-4  # per leaf, under the model: split evenly over the four tests
+# c: a correct kernel may round more than the reference run at its precision (fused vs separate casts, blocking,
+# bf16 intermediates): correct VJPs of the planted catalogue measured <= 2.1x their reference (CPU, f32 and bf16).
+IMPLEMENTATION_FACTOR = 4.0
+_UNIT = {"f64": 2.0**-53, "f32": 2.0**-24, "tf32": 2.0**-11, "f16": 2.0**-11, "bf16": 2.0**-8}
+
+
+def bias_floor(precision: str) -> float:
+    """delta_p = u_p / 8: a relative scale bias below this is within what correct hardware may do."""
+    return _UNIT[precision] / 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafStatistics:
+    """The four tests of one leaf (module doc); every threshold is printed with the value it judges."""
+
+    n: int
+    replicas: int
+    alpha: float
+    rho: float  # robust estimate of fn's rounding / the emulated reference's
+    norm_ratio: float  # sqrt(R): ||e_perp|| / RMS ||r_k,perp||
+    norm_limit: float
+    dof: float  # effective degrees of freedom of the normwise test
+    beta: float  # <e, g*> / ||g*||^2
+    beta_sigma: float
+    beta_limit: float
+    entry_z: float  # largest |z_i|
+    entry_limit: float
+    entry_index: tuple[int, ...]
+    slice_ratio: float  # largest T / its limit (> 1 fails)
+    slice_where: str  # "axis 0 index 12" of the worst slice
+    failed: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+    def summary(self) -> str:
+        return (f"rho {self.rho:.2g}; norm {self.norm_ratio:.2g} (limit {self.norm_limit:.2g}); scale "
+                f"{self.beta:+.2e} (limit {self.beta_limit:.1e} = max(t*{self.beta_sigma:.1e}, u_p/8)); entry "
+                f"|z| {self.entry_z:.1f} (limit {self.entry_limit:.1f}); worst slice {self.slice_ratio:.2g} of its "
+                f"limit ({self.slice_where})")
+
+    def failure_text(self) -> str:
+        what = {
+            "norm": f"its error is {self.norm_ratio:.2g}x the rounding of the reference at this precision "
+                    f"(limit {self.norm_limit:.2g})",
+            "scale": f"it is scaled by {1 + self.beta:.6g} (a {self.beta:+.2e} relative bias; rounding allows "
+                     f"{self.beta_limit:.1e})",
+            "entry": f"entry {self.entry_index} is {self.entry_z:.1f} rounding standard deviations off (limit "
+                     f"{self.entry_limit:.1f})",
+            "slice": f"the error is concentrated in {self.slice_where} ({self.slice_ratio:.3g}x the limit of a "
+                     "slice's rounding)",
+        }
+        return "; ".join(what[f] for f in self.failed)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def entry_variance(replicas: np.ndarray, g_ref: np.ndarray, kink: np.ndarray | None = None) -> np.ndarray:
+    """v_i: the modelled rounding variance of every entry -- the replicas' mean square, the kink jump squared (one
+    standard deviation where a rounded comparison may flip) and one f32 rounding of the result itself (so an entry
+    that every replica happened to compute exactly is not judged against zero)."""
+    r = np.asarray(replicas, np.float64)
+    v = np.mean(r * r, axis=0) + (2.0**-24 * np.asarray(g_ref, np.float64)) ** 2
+    if kink is not None:
+        v = v + np.asarray(kink, np.float64) ** 2
+    return np.maximum(v, 1e-300)
+
+
+def _perp(v: np.ndarray, g: np.ndarray, gg: float) -> np.ndarray:
+    return v - (np.vdot(v, g) / gg) * g if gg > 0 else v
+
+
+def _sum_of_f_quantile(n: int, k: int, p_exceed: float) -> float:
+    """Upper quantile of a sum of n independent F(1, k) variables: the larger of a moment-matched scaled chi-square
+    (the bulk) and the one-big-term tail of a heavy-tailed sum, P(S > x) ~ n P(F > x - (n - 1) mean)."""
+    m1 = k / (k - 2)
+    v1 = 2 * k * k * (k - 1) / ((k - 2) ** 2 * (k - 4))
+    scale = v1 / (2 * m1)
+    dof = n * 2 * m1 * m1 / v1
+    bulk = float(scale * sps.chi2.isf(p_exceed, dof))
+    tail = (n - 1) * m1 + float(sps.f.isf(p_exceed / n, 1, k))
+    return max(bulk, tail)
+
+
+def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: np.ndarray, precision: str,
+                    kink: np.ndarray | None = None, alpha: float = FALSE_ALARM_RATE,
+                    factor: float = IMPLEMENTATION_FACTOR) -> LeafStatistics:
+    """Judge one leaf's error ``e`` (shape S) against ``replicas`` (shape [K, *S]) of the modelled rounding error.
+
+    Args:
+      e: ``g - g*`` of the run under test, float64.
+      replicas: ``r_k``, K rounding-error samples of the reference at ``precision``.
+      g_ref: the float64 oracle ``g*``.
+      m: sum of |terms| of every entry (one accumulator rounding of it is the variance floor).
+      precision: the hypothesis (sets the bias floor).
+      kink: the absolute jump of entries fed by uncertain comparisons, or None.
+    """
+    e = np.asarray(e, np.float64)
+    r = np.asarray(replicas, np.float64)
+    g = np.asarray(g_ref, np.float64)
+    k = r.shape[0]
+    if k < 8:
+        raise ValueError(f"leaf_statistics: need at least 8 replicas (the slice test uses F(1, K) moments), got {k}")
+    n = max(e.size, 1)
+    a4 = alpha / 4
+    if not np.all(np.isfinite(e)):
+        bad = tuple(int(i) for i in np.unravel_index(int(np.argmax(~np.isfinite(e))), e.shape)) if e.size else ()
+        return LeafStatistics(n, k, alpha, math.inf, math.inf, 0.0, 0.0, math.nan, math.inf, 0.0, math.inf, 0.0,
+                              bad, math.inf, "non-finite entries", ("norm", "entry"))
+    if not np.all(np.isfinite(r)):
+        # the hypothesis itself overflows here (f16's range ends at 65504): it cannot be the precision fn runs in
+        return LeafStatistics(n, k, alpha, math.inf, math.inf, 0.0, 0.0, math.nan, math.inf, 0.0, math.inf, 0.0,
+                              (), math.inf, f"the reference at {precision} (it overflows: non-finite values)",
+                              ("slice",))
+    v = entry_variance(r, g, kink)
+    ratio = e * e / v
+    gg = float(np.vdot(g, g))
+    # rho from the error orthogonal to g* (a scale bug must not inflate the spread that judges it) and by the median
+    # (a bug confined to a few entries must not either)
+    e_orth = e - (float(np.vdot(e.ravel(), g.ravel())) / gg) * g if gg > 0 else e
+    med_f = float(sps.f.median(1, k))
+    rho = math.sqrt(float(np.median(e_orth * e_orth / v)) / med_f) if e.size else 0.0
+    rho_s = max(1.0, rho)
+
+    # 1. normwise, orthogonal to g*
+    e_perp = _perp(e.ravel(), g.ravel(), gg)
+    r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r])
+    den = float(np.mean(np.sum(r_perp * r_perp, axis=1))) + float(np.sum(v)) * 1e-300
+    num = float(np.vdot(e_perp, e_perp))
+    dof = float(np.sum(v) ** 2 / np.sum(v * v)) if np.sum(v * v) > 0 else 1.0
+    dof = max(1.0, min(dof, float(n)))
+    norm_ratio = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+    norm_limit = factor * math.sqrt(float(sps.f.isf(a4, dof, k * dof)))
+
+    # 2. scale / sign bias
+    if gg > 0:
+        beta = float(np.vdot(e.ravel(), g.ravel())) / gg
+        beta_k = r.reshape(k, -1) @ g.ravel() / gg
+        s_rep = float(np.sqrt(np.mean(beta_k * beta_k)))
+        # with the kink jump as one standard deviation of its entry: flips that are likelier at the caller's point
+        # than at the perturbed ones (pre-activations exactly at zero) are not under-counted by the replicas
+        s_ind = float(np.sqrt(np.sum(v * g * g))) / gg
+        beta_sigma = rho_s * max(s_rep, s_ind)
+        beta_limit = max(float(sps.t.isf(a4 / 2, k)) * beta_sigma, bias_floor(precision))
+    else:
+        beta, beta_sigma, beta_limit = 0.0, 0.0, math.inf
+
+    # 3. entries
+    z2 = ratio / (rho_s * rho_s)
+    worst = int(np.argmax(z2)) if e.size else 0
+    entry_z = math.sqrt(float(z2.ravel()[worst])) if e.size else 0.0
+    entry_limit = math.sqrt(float(sps.f.isf(a4 / n, 1, k)))
+    entry_index = tuple(int(i) for i in np.unravel_index(worst, e.shape)) if e.size else ()
+
+    # 4. slices along every axis (leaves of two or more axes)
+    slice_ratio, slice_where = 0.0, "none (a leaf of fewer than two axes)"
+    axes = [ax for ax in range(e.ndim) if e.shape[ax] > 1] if e.ndim >= 2 else []
+    n_slices = sum(e.shape[ax] for ax in axes)
+    for ax in axes:
+        t = np.sum(np.moveaxis(z2, ax, 0).reshape(e.shape[ax], -1), axis=1)
+        size = n // e.shape[ax]
+        lim = _sum_of_f_quantile(size, k, a4 / n_slices)
+        j = int(np.argmax(t))
+        if t[j] / lim > slice_ratio:
+            slice_ratio, slice_where = float(t[j] / lim), f"axis {ax} index {j} of {e.shape[ax]}"
+
+    failed = tuple(name for name, bad in (
+        ("norm", norm_ratio > norm_limit), ("scale", abs(beta) > beta_limit), ("entry", entry_z > entry_limit),
+        ("slice", slice_ratio > 1.0)) if bad)
+    return LeafStatistics(n=int(e.size), replicas=k, alpha=alpha, rho=rho, norm_ratio=norm_ratio,
+                          norm_limit=norm_limit, dof=dof, beta=beta, beta_sigma=beta_sigma, beta_limit=beta_limit,
+                          entry_z=entry_z, entry_limit=entry_limit, entry_index=entry_index,
+                          slice_ratio=slice_ratio, slice_where=slice_where, failed=failed)

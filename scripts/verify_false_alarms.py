@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""False alarms of ``check_vjp`` on correct low-precision VJPs, randomised.
+
+    python scripts/verify_false_alarms.py --mode cpu --n 500 --jobs 8   # TF32/f16/bf16 kernels emulated on the CPU
+    python scripts/verify_false_alarms.py --mode gpu --n 100            # the GPU's own TF32 / bf16 rounding
+    python scripts/verify_false_alarms.py --mode cpu --n 6 --no-write   # a smoke run (what CI runs)
+
+Each run draws an op (dense, conv+ReLU, softmax attention, a dense whose weight gradient sums up to 10^6 terms:
+``jaxgrad.verify.calibration``), a planted-leaf size (64 .. 16384 entries), white-noise inputs, sometimes scaled by
+1e3 with an offset (heavy cancellation in the gradients), and a precision. ``cpu`` mode judges the correct
+hand-written kernel at that precision (operands rounded with ``reduce_precision``, f32 accumulation; f16 is stated
+with ``precision="f16"``, bf16 also with bf16 arrays); ``gpu`` mode judges the reference itself as the GPU runs it
+(XLA's default TF32 dots and cuDNN convs for f32 arrays, bf16 arrays in bf16) and the package's conv2d backends.
+Every run is ``check_vjp(fn, reference, ..., float64=False)`` (the situation of a kernel with no float64 re-run),
+precision selection and both gates included. A failure of a correct VJP is a false alarm.
+
+Writes ``benchmarks/results/verify-false-alarms-<mode>-<device>-<stamp>.{json,txt}`` unless ``--no-write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import multiprocessing
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+OPS = ("dense", "conv_relu", "attention", "long_sum")
+
+
+def draw(i: int, seed: int, mode: str) -> dict:
+    rng = np.random.default_rng([seed, i])
+    op = OPS[int(rng.integers(len(OPS)))]
+    size = int(2 ** rng.uniform(6, 14))
+    if op == "long_sum":
+        size = int(10 ** rng.uniform(3, 6))
+    if mode == "cpu":
+        precision = ["tf32", "f16", "bf16", "bf16-arrays"][int(rng.integers(4))]
+    else:
+        precision = ["tf32", "bf16-arrays", "conv2d-xla", "conv2d-pallas"][int(rng.integers(4))]
+    return {"i": i, "op": op, "size": size, "precision": precision, "cancel": bool(rng.random() < 0.25),
+            "seed": int(rng.integers(2**31))}
+
+
+def run_one(cfg: dict, mode: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgrad.verify import check_vjp
+    from jaxgrad.verify.calibration import make_case
+
+    rng = np.random.default_rng(cfg["seed"])
+    prec = cfg["precision"]
+    arrays = jnp.bfloat16 if prec == "bf16-arrays" else jnp.float32
+    kernel_precision = {"bf16-arrays": "bf16"}.get(prec, prec)
+    op, size = cfg["op"], cfg["size"]
+    if prec.startswith("conv2d"):
+        op = cfg["op"] = "conv_relu"
+    case = make_case(op, size, "f32" if mode == "gpu" or prec.startswith("conv2d") else kernel_precision, rng,
+                     arrays)
+    args = case.args
+    if cfg["cancel"]:  # large values around an offset: the gradients become heavily cancelling sums
+        args = tuple(jnp.asarray((np.asarray(a, np.float64) + 3.0) * 1e3 if j == 0 else a, arrays)
+                     for j, a in enumerate(args))
+    fn, stated = case.fn, ("f16" if prec == "f16" else None)
+    if mode == "gpu":
+        fn = case.reference  # XLA's own GPU lowering (TF32 dots/convs by default; bf16 arrays in bf16)
+        if prec.startswith("conv2d"):
+            from jaxgrad.cnn.conv import conv2d
+
+            backend = prec.split("-")[1]
+            fn = lambda x, w, b: conv2d(x, w, b, padding="SAME", activation="relu", backend=backend)  # noqa: E731
+    t0 = time.time()
+    rep = check_vjp(fn, case.reference, *args, float64=False, fd=False, adjoint=False, structural=False,
+                    precision=stated, seed=cfg["seed"] % 1000)
+    out = dict(cfg, op=op, passed=bool(rep.passed), judged_as=rep.precision.precision,
+               seconds=round(time.time() - t0, 2), entries=[int(np.prod(lf.shape)) for lf in rep.leaves],
+               kinks=any("kinks:" in n for n in rep.notes), platform=jax.default_backend())
+    if not rep.passed:
+        out["report"] = str(rep)
+    return out
+
+
+def _worker(args):
+    cfg, mode = args
+    try:
+        return run_one(cfg, mode)
+    except Exception as e:  # a crash is reported, not a pass
+        return dict(cfg, passed=False, error=f"{type(e).__name__}: {e}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (cpu mode)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    if a.mode == "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    cfgs = [draw(i, a.seed, a.mode) for i in range(a.n)]
+    t0 = time.time()
+    if a.jobs > 1:
+        with cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            results = list(ex.map(_worker, [(c, a.mode) for c in cfgs]))
+    else:
+        results = [_worker((c, a.mode)) for c in cfgs]
+    fails = [r for r in results if not r["passed"]]
+    for r in results:
+        print(f"{r['i']:4d} {r['op']:10s} {r['precision']:13s} size {r['size']:8d} cancel {int(r['cancel'])} "
+              f"-> {'pass' if r['passed'] else 'FALSE ALARM'} as {r.get('judged_as')} ({r.get('seconds')} s)"
+              + (f" {r['error']}" if "error" in r else ""), flush=True)
+    n = len(results)
+    # one-sided 95% upper bound on the false-alarm rate after k alarms in n runs (exact for k = 0: 1 - 0.05^(1/n))
+    upper = 1 - 0.05 ** (1 / n) if not fails else None
+    summary = {"mode": a.mode, "runs": n, "false_alarms": len(fails), "seconds": round(time.time() - t0, 1),
+               "rate_upper_95": upper}
+    print(f"{len(fails)} false alarms in {n} correct low-precision VJPs"
+          + (f"; false-alarm rate per run < {upper:.2%} (95% confidence)" if upper is not None else ""))
+    if not a.no_write:
+        from jaxgrad.benchmarking import _jsonable, device_slug, environment
+        from jaxgrad.verify.stats import FALSE_ALARM_RATE
+
+        env = environment()
+        summary["model_false_alarm_rate_per_leaf"] = FALSE_ALARM_RATE
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"verify-false-alarms-{a.mode}-{device_slug(env['device_kind'])}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem.with_suffix(".json").write_text(json.dumps(_jsonable({"environment": env, "summary": summary,
+                                                                    "runs": results}), indent=1) + "\n")
+        by = {}
+        for r in results:
+            key = (r["op"], r["precision"])
+            by.setdefault(key, [0, 0])
+            by[key][0] += 1
+            by[key][1] += not r["passed"]
+        lines = [f"# device: {env['device_kind']} ({env['platform']}), {env['datetime_utc']}; jax {env['jax']}, "
+                 f"python {env['python']}",
+                 f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: {env['command']}",
+                 f"# mode {a.mode}: {n} correct low-precision VJPs judged by check_vjp(float64=False); model "
+                 f"false-alarm rate {FALSE_ALARM_RATE:g} per leaf",
+                 f"{'op':10s} {'precision':13s} {'runs':>5s} {'false alarms':>12s}"]
+        lines += [f"{op:10s} {p:13s} {c[0]:5d} {c[1]:12d}" for (op, p), c in sorted(by.items())]
+        lines.append(f"# total: {len(fails)} false alarms in {n} runs"
+                     + (f"; per-run false-alarm rate < {upper:.2%} at 95% confidence" if upper is not None else ""))
+        stem.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+        print(f"wrote {stem.with_suffix('.txt')}")
+    return 0 if not fails else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

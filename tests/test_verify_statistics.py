@@ -1,0 +1,231 @@
+"""The statistical verdict: a low-precision run's error must be distributed like rounding at its precision.
+
+Where ``fn`` cannot be re-run in float64 (every GPU kernel), the verdict rests on the rounding model alone. These
+tests pin down what that model must do: pass correct TF32 / f16 / bf16 computations, catch moderate systematic
+bugs that the sum-of-|terms| bound lets through (a 10% weight gradient in TF32, a 1% scale in bf16), find an error
+confined to one row, and never adopt a coarser precision to explain a mismatch.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrad.verify import check_vjp
+from jaxgrad.verify.emulate import OPERAND_FORMAT, at_precision, perturb
+from jaxgrad.verify.hypothesis import candidate_precisions
+from jaxgrad.verify.stats import FALSE_ALARM_RATE, bias_floor, leaf_statistics
+
+
+def _round(a, precision):
+    fmt = OPERAND_FORMAT[precision]
+    return a if fmt is None else jax.lax.reduce_precision(a, *fmt)
+
+
+def dense(x, w):
+    return jnp.tanh(x @ w)
+
+
+def dense_kernel(precision, scale_dw=1.0, forward_scale=1.0):
+    """A hand-written low-precision dense + tanh: operands rounded to ``precision``, f32 accumulation (a tensor-core
+    kernel); ``scale_dw``/``forward_scale`` plant systematic bugs."""
+    r = functools.partial(_round, precision=precision)
+
+    @jax.custom_vjp
+    def f(x, w):
+        return jnp.tanh(r(x) @ r(w)) * forward_scale
+
+    def fwd(x, w):
+        y = jnp.tanh(r(x) @ r(w))
+        return y * forward_scale, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        gz = g * (1 - y * y)
+        return r(gz) @ r(w).T, (r(x).T @ r(gz)) * scale_dw
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _dense_args(seed, batch=32, n_in=8, n_out=8):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (batch, n_in)), jax.random.normal(kw, (n_in, n_out)) / n_in**0.5
+
+
+def _check(fn, ref, *args, **kw):
+    # float64=False: the situation of a GPU kernel, where no float64 re-run can settle a small systematic error
+    return check_vjp(fn, ref, *args, float64=False, fd=False, adjoint=False, structural=False, **kw)
+
+
+# --- correct low-precision runs pass -------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_correct_low_precision_kernel_passes_and_its_precision_is_recognised(precision, seed):
+    rep = _check(dense_kernel(precision), dense, *_dense_args(seed))
+    assert rep.passed, str(rep)
+    assert rep.precision.precision == precision, rep.precision.source
+    assert all(lf.stats is not None and lf.stats.passed for lf in rep.leaves)
+
+
+def test_f16_is_tested_only_when_stated_or_given_f16_arrays():
+    assert candidate_precisions([jnp.float32]) == ["f32", "tf32", "bf16"]
+    assert candidate_precisions([jnp.bfloat16, jnp.float32]) == ["bf16"]
+    assert candidate_precisions([jnp.float16]) == ["f16", "bf16"]
+    assert candidate_precisions([jnp.float64]) == ["f64"]
+    assert candidate_precisions([jnp.float32], "f16") == ["f16"]
+    with pytest.raises(ValueError, match="precision must be one of"):
+        candidate_precisions([jnp.float32], "fp8")
+
+
+def test_a_stated_f16_is_judged_as_f16():
+    rep = _check(dense_kernel("f16"), dense, *_dense_args(3), precision="f16")
+    assert rep.passed and rep.precision.precision == "f16", str(rep)
+
+
+# --- systematic bugs that the per-entry bound lets through --------------------------------------------------------
+def test_the_issue_example_a_10_percent_weight_gradient_in_tf32_fails():
+    """conv 3x3 SAME + bias + ReLU, operands rounded to TF32 in forward and backward, dW 10% too large: the old
+    verifier judged it as bf16 and passed it."""
+
+    def conv(x, w, b):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + b)
+
+    t = functools.partial(_round, precision="tf32")
+
+    @jax.custom_vjp
+    def conv_tf32(x, w, b):
+        return conv(t(x), t(w), b)
+
+    def fwd(x, w, b):
+        return conv(t(x), t(w), b), (x, w, b)
+
+    def bwd(res, g):
+        x, w, b = res
+        z, pb = jax.vjp(lambda xx, ww, bb: jax.lax.conv_general_dilated(
+            xx, ww, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + bb, t(x), t(w), b)
+        dx, dw, db = pb(t(g * (z > 0)))
+        return dx, dw * 1.1, db  # BUG: 10% too large
+
+    conv_tf32.defvjp(fwd, bwd)
+    k = jax.random.split(jax.random.key(0), 3)
+    x, w, b = (jax.random.normal(k[0], (2, 9, 11, 3)), jax.random.normal(k[1], (3, 5, 3, 8)),
+               jax.random.normal(k[2], (8,)))
+    rep = _check(conv_tf32, conv, x, w, b, arg_names=("x", "w", "b"))
+    assert rep.precision.precision == "tf32", rep.precision.source  # never "bf16, the looser bound"
+    assert not rep.leaf("w").passed and rep.leaf("x").passed and rep.leaf("b").passed, str(rep)
+    assert not rep.passed
+
+
+def test_a_1_percent_scale_at_bf16_is_caught_in_a_64_entry_leaf():
+    rep = _check(dense_kernel("bf16", scale_dw=1.01), dense, *_dense_args(0))
+    w = rep.leaf("args[1]")
+    assert rep.precision.precision == "bf16"
+    assert not w.passed and "scale" in w.stats.failed, str(rep)
+    assert w.per_entry_passed  # invisible to the sum-of-|terms| bound
+    assert "scaled by 1.01" in w.verdict
+
+
+def test_a_0_2_percent_scale_at_tf32_is_caught():
+    rep = _check(dense_kernel("tf32", scale_dw=1.002), dense, *_dense_args(1))
+    w = rep.leaf("args[1]")
+    assert not w.passed and "scale" in w.stats.failed, str(rep)
+
+
+def test_a_forward_2_percent_off_is_wrong_whatever_its_dtype():
+    x, w = (a.astype(jnp.bfloat16) for a in _dense_args(2))
+    rep = _check(dense_kernel("bf16", forward_scale=1.02), dense, x, w)
+    fwd = next(c for c in rep.checks if c.name == "forward (as called)")
+    assert not fwd.passed and not rep.passed, str(rep)
+
+
+def test_a_stated_precision_is_checked_against_the_forward():
+    rep = _check(dense_kernel("tf32"), dense, *_dense_args(4), precision="f32")
+    fwd = next(c for c in rep.checks if c.name == "forward (as called)")
+    assert not fwd.passed and "beyond the rounding of f32" in fwd.detail, str(rep)
+    assert "stated by the caller" in rep.precision.source
+
+
+def test_f16_range_is_part_of_its_model():
+    x, w = _dense_args(5)
+    rep = _check(dense_kernel("tf32"), dense, x * 1e5, w, precision="f16")
+    fwd = next(c for c in rep.checks if c.name == "forward (as called)")
+    assert not fwd.passed and "overflows" in fwd.detail, str(rep)
+
+
+# --- the four tests of one leaf, on synthetic rounding ---------------------------------------------------------
+def _synthetic(rng, shape, k=16, sigma=None):
+    sigma = np.ones(shape) if sigma is None else sigma
+    g = rng.standard_normal(shape)
+    e = sigma * rng.standard_normal(shape)
+    r = sigma * rng.standard_normal((k, *shape))
+    return e, r, g
+
+
+def test_no_false_alarm_on_200_draws_of_pure_rounding():
+    rng = np.random.default_rng(0)
+    fails = 0
+    for i in range(200):
+        shape = [(64,), (13, 11), (4, 9, 7)][i % 3]
+        sigma = np.exp(rng.standard_normal(shape))  # entries of very different rounding scales
+        e, r, g = _synthetic(rng, shape, sigma=sigma)
+        fails += not leaf_statistics(e, r, g, np.abs(g), "bf16").passed
+    assert fails == 0
+
+
+def test_an_error_confined_to_one_border_row_at_10_sigma_stands_out():
+    rng = np.random.default_rng(1)
+    e, r, g = _synthetic(rng, (100, 100))
+    e[-1] += 10.0 * np.sign(rng.standard_normal(100))  # 1% of the entries, each 10 standard deviations off
+    st = leaf_statistics(e, r, g, np.abs(g), "bf16")
+    assert "slice" in st.failed and "axis 0 index 99" in st.slice_where, st.summary()
+    assert st.norm_ratio < st.norm_limit  # the leaf's norm alone would not show it
+
+
+def test_one_entry_10_sigma_off_in_a_64_entry_leaf_is_caught():
+    rng = np.random.default_rng(2)
+    e, r, g = _synthetic(rng, (64,))
+    e[17] = 10.0
+    st = leaf_statistics(e, r, g, np.abs(g), "bf16")
+    assert "entry" in st.failed and st.entry_index == (17,), st.summary()
+
+
+def test_a_scale_bias_is_measured_as_beta():
+    rng = np.random.default_rng(3)
+    e, r, g = _synthetic(rng, (32, 32), sigma=np.full((32, 32), 1e-3))
+    st = leaf_statistics(e + 0.01 * g, r, g, np.abs(g), "bf16")
+    assert "scale" in st.failed and abs(st.beta - 0.01) < 1e-3, st.summary()
+
+
+def test_thresholds_come_from_the_stated_false_alarm_rate():
+    rng = np.random.default_rng(4)
+    e, r, g = _synthetic(rng, (50,))
+    loose = leaf_statistics(e, r, g, np.abs(g), "bf16", alpha=0.5)
+    strict = leaf_statistics(e, r, g, np.abs(g), "bf16", alpha=FALSE_ALARM_RATE)
+    assert strict.entry_limit > loose.entry_limit and strict.norm_limit > loose.norm_limit
+    assert strict.beta_limit > loose.beta_limit or strict.beta_limit == bias_floor("bf16")
+
+
+def test_too_few_replicas_is_refused():
+    with pytest.raises(ValueError, match="at least 8 replicas"):
+        leaf_statistics(np.zeros(4), np.zeros((4, 4)), np.ones(4), np.ones(4), "bf16")
+
+
+# --- the emulation --------------------------------------------------------------------------------------------------
+def test_emulation_rounds_only_product_operands():
+    x = jnp.asarray([[1.0 + 2.0**-12, 1.0]], jnp.float32)
+    w = jnp.asarray([[1.0], [2.0**-13]], jnp.float32)
+    f = lambda a, b: a @ b + 2.0**-20  # noqa: E731  (the add is not rounded)
+    emu, loops = at_precision(f, "tf32", x, w)
+    (y,) = emu(x, w)
+    assert float(y[0, 0]) == 1.0 + 2.0**-13 + 2.0**-20  # 1+2^-12 -> 1 in TF32; 2^-13 exact
+    assert not loops
+
+
+def test_perturbation_moves_bf16_leaves_by_whole_ulps():
+    x = jnp.linspace(1.0, 2.0, 64, dtype=jnp.bfloat16)
+    y = perturb(x, "bf16", np.random.default_rng(0))
+    assert y.dtype == jnp.bfloat16 and bool(jnp.any(y != x)) and bool(jnp.all(jnp.abs(y - x) <= 0.05))
