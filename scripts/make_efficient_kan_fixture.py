@@ -1,13 +1,17 @@
 """Write ``tests/data/efficient_kan_fixture.npz``: a [3, 4, 2] efficient-kan network (weights in efficient-kan's
-``state_dict`` layout, float64), inputs and efficient-kan's outputs, for ``tests/test_kan_convert.py``.
+``state_dict`` layout, float64), inputs and outputs of efficient-kan's forward formula as transliterated below, for
+``tests/test_kan_convert.py``.
 
-The outputs come from a re-implementation of efficient-kan's ``KANLinear.forward`` (``b_splines`` by Cox-de Boor,
-then ``F.linear(silu(x), base_weight) + F.linear(bases.view(B, -1), (spline_weight * spline_scaler[..., None])
-.view(out, -1))``), written here independently of ``jaxgrad``:
+**The outputs do not come from efficient-kan.** efficient-kan itself was never installed or run to make this
+fixture (it is not on PyPI, and torch is not installed in this project's environment). They come from a
+transliteration of efficient-kan's ``KANLinear.forward`` written in this file (``b_splines`` by Cox-de Boor, then
+``F.linear(silu(x), base_weight) + F.linear(bases.view(B, -1), (spline_weight * spline_scaler[..., None])
+.view(out, -1))``), independently of ``jaxgrad``. So the fixture checks ``jaxgrad`` against this repo's reading of
+efficient-kan's formula, not against efficient-kan's code:
 
-* ``--backend numpy`` (the default, and how the committed fixture was made, since torch is not installed in this
-  project's environment): the same loops in NumPy;
-* ``--backend torch``: the same code in torch (float64), when torch is importable.
+* ``--backend numpy`` (the default, and how the committed fixture was made): the transliteration in NumPy;
+* ``--backend torch``: the same transliteration in torch (float64), when torch is importable. This is still not
+  efficient-kan's package.
 
 The weights are random (NumPy, fixed seed) and not efficient-kan's init: non-unit ``spline_scaler``, a uniform grid
 on layer 0 and a non-uniform, sample-adapted-looking grid on layer 1, and inputs that partly fall outside the grids

@@ -1,4 +1,9 @@
-"""efficient-kan state_dict conversion (jaxgrad.kan.convert) and forward parity with efficient-kan's formula."""
+"""efficient-kan state_dict conversion (jaxgrad.kan.convert) and forward parity with efficient-kan's formula.
+
+The parity fixture (tests/data/efficient_kan_fixture.npz) was not produced by efficient-kan: it comes from a
+transliteration of efficient-kan's forward inside this repo (scripts/make_efficient_kan_fixture.py, NumPy). These
+tests check our forward against that transliteration, not against efficient-kan's own code.
+"""
 
 import importlib.util
 import pathlib
@@ -116,8 +121,9 @@ def _load_fixture():
 
 
 def test_fixture_parity_float64():
-    """Our forward on converted weights == efficient-kan's forward (NumPy re-implementation, see
-    scripts/make_efficient_kan_fixture.py) on a [3, 4, 2] net with non-uniform grids and non-unit scalers."""
+    """Our forward on converted weights == this repo's NumPy transliteration of efficient-kan's forward
+    (scripts/make_efficient_kan_fixture.py; not efficient-kan itself) on a [3, 4, 2] net with non-uniform grids and
+    non-unit scalers."""
     with jax.enable_x64(True):
         sd, x, y = _load_fixture()
         params = from_efficient_kan(sd)
@@ -152,7 +158,8 @@ def test_fixture_generator_is_reproducible(tmp_path):
 
 
 def test_torch_efficient_kan_formula_matches_fixture():
-    """With torch installed: the efficient-kan code path (b_splines + F.linear) reproduces the committed outputs."""
+    """With torch installed: the transliteration's torch version (efficient-kan's b_splines + F.linear, as written in
+    scripts/make_efficient_kan_fixture.py; not efficient-kan's package) reproduces the committed outputs."""
     pytest.importorskip("torch")
     spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "scripts/make_efficient_kan_fixture.py")
     mod = importlib.util.module_from_spec(spec)

@@ -303,8 +303,15 @@ def conv2d(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, stride: in
       precision: ``None`` (JAX default: TF32 on GPU) or a ``jax.lax.Precision``.
       backend: ``"xla"`` | ``"pallas"`` | ``"reference"``.
     Returns ``[N, H_out, W_out, Cout]`` in x's dtype.
+
+    ``x`` and ``w`` must have the same dtype (as in PyTorch's ``nn.Conv2d``; there is no implicit promotion): cast
+    one of them, e.g. ``w.astype(x.dtype)`` for bf16 activations with f32 master weights. A mismatch raises
+    ``TypeError`` naming both dtypes, on every backend.
     """
     check_conv_args(x, w, b)
+    if x.dtype != w.dtype:
+        raise TypeError(f"conv2d: x and w must have the same dtype, got x {x.dtype} and w {w.dtype}; cast one, e.g. "
+                        f"w.astype(x.dtype)")
     if backend not in BACKENDS:
         raise ValueError(f"conv2d: backend must be one of {BACKENDS}, got {backend!r}")
     if activation not in ACTIVATIONS:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
@@ -100,8 +101,34 @@ def spline_order(params: dict[str, jax.Array]) -> int:
     return spline_order_of(params["grid"], params["spline_weight"].shape[-1])
 
 
-def check_params(params: dict[str, jax.Array], x: jax.Array | None = None) -> int:
-    """Validate shapes/dtypes (and ``x`` against them); return ``spline_order``. Errors name the argument."""
+def _check_grid_values(grid) -> None:
+    """Every knot row non-decreasing (coincident knots are allowed: a grid update with ``grid_eps=0`` and repeated
+    samples makes them, and a zero-width interval contributes zero) and not constant. Only where the values are
+    concrete: under ``jit`` / ``grad`` the grid is a tracer and this is skipped."""
+    if isinstance(grid, jax.core.Tracer):
+        return
+    t = np.asarray(grid)
+    falls = ~(np.diff(t, axis=-1) >= 0)  # NaN counts as a fall
+    if falls.any():
+        row, j = (int(v) for v in np.argwhere(falls)[0])
+        raise ValueError(f"KAN params: 'grid' must be non-decreasing along the knot axis (one row of G+2k+1 knots "
+                         f"per input); row {row} goes from {t[row, j]:.6g} to {t[row, j + 1]:.6g} at knots {j}->{j + 1}")
+    flat = ~(t[:, -1] > t[:, 0])
+    if flat.any():
+        row = int(np.argmax(flat))
+        raise ValueError(f"KAN params: 'grid' row {row} has all its knots equal ({t[row, 0]:.6g}); every row must span "
+                         f"an interval")
+
+
+def check_params(params: dict[str, jax.Array], x: jax.Array | None = None, *, spline_order: int | None = None) -> int:
+    """Validate shapes/dtypes (and ``x`` against them), and the knot values where they are concrete (not under
+    ``jit``); return ``spline_order``. Errors name the argument.
+
+    ``spline_order``: the order the caller declared (e.g. ``KANConfig.spline_order``). The params do not store it
+    (it is read from the shapes: ``grid`` has ``G + 2k + 1`` knots per row, ``spline_weight`` has ``G + k`` bases),
+    so a grid row missing a knot reads as a valid layer of order ``k - 1`` on ``G + 1`` intervals; only a declared
+    order can tell the two apart.
+    """
     for name in ("base_weight", "spline_weight", "spline_scaler", "grid"):
         if name not in params:
             raise KeyError(f"KAN params: missing '{name}' (have {sorted(params)})")
@@ -116,13 +143,30 @@ def check_params(params: dict[str, jax.Array], x: jax.Array | None = None) -> in
         raise ValueError(f"KAN params: 'grid' must have shape [{in_f}, G+2k+1], got {params['grid'].shape}")
     if "bias" in params and params["bias"].shape != (out_f,):
         raise ValueError(f"KAN params: 'bias' must have shape ({out_f},), got {params['bias'].shape}")
-    k = spline_order(params)
+    if spline_order is not None:
+        _check_declared_order(params, spline_order)
+    k = spline_order_of(params["grid"], nb)
+    _check_grid_values(params["grid"])
     if x is not None:
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"KAN layer: input 'x' must be floating point, got {x.dtype}")
         if x.ndim < 1 or x.shape[-1] != in_f:
             raise ValueError(f"KAN layer: input 'x' must have shape [..., {in_f}] (in_features), got {x.shape}")
     return k
+
+
+def _check_declared_order(params, k) -> None:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 5:
+        raise ValueError(f"KAN layer: 'spline_order' must be an int in 1..5, got {k!r}")
+    nb, knots = params["spline_weight"].shape[-1], params["grid"].shape[-1]
+    G = nb - k
+    if G < 1:
+        raise ValueError(f"KAN layer: 'spline_order'={k} needs spline_weight to have G+k >= {k + 1} bases per edge, "
+                         f"it has {nb}")
+    if knots != G + 2 * k + 1:
+        raise ValueError(f"KAN params: 'grid' has {knots} knots per row, but spline_order={k} with spline_weight's "
+                         f"{nb} bases (G = {nb} - {k} = {G}) needs G+2k+1 = {G + 2 * k + 1}; a knot is missing or "
+                         f"extra (the shapes alone would read it as spline order {knots - nb - 1})")
 
 
 def trainable_mask(params: dict[str, jax.Array]) -> dict[str, bool]:
@@ -250,7 +294,7 @@ def _kan_linear_bwd(k, backend, precision, interpret, res, g):
 _kan_linear_vjp.defvjp(_kan_linear_fwd, _kan_linear_bwd)
 
 
-def _validate(params, x, backend):
+def _validate(params, x, backend, spline_order=None):
     if backend not in _BACKENDS:
         raise ValueError(f"kan_linear: backend must be one of {_BACKENDS}, got {backend!r}")
     if not isinstance(params, Mapping):
@@ -260,11 +304,11 @@ def _validate(params, x, backend):
             raise TypeError(f"KAN params: '{name}' must be floating point, got {jnp.result_type(params[name])}")
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"kan_linear: input 'x' must be an array, got {type(x).__name__}")
-    return check_params(params, x)
+    return check_params(params, x, spline_order=spline_order)
 
 
 def kan_linear(params: Mapping[str, jax.Array], x: jax.Array, *, backend: str = "xla", precision=None,
-               interpret: bool | None = None) -> jax.Array:
+               interpret: bool | None = None, spline_order: int | None = None) -> jax.Array:
     r"""KAN layer ``x[..., in] -> [..., out]`` with a hand-written VJP (same forward as :func:`kan_linear_reference`).
 
     Forward, with :math:`\Phi_{bim} = B_m(x_{bi})` the ``G + k`` bases of input ``i`` and
@@ -315,8 +359,14 @@ def kan_linear(params: Mapping[str, jax.Array], x: jax.Array, *, backend: str = 
         (no custom rule).
       precision: ``jax.lax.Precision`` of the matmuls (and passed to the kernels).
       interpret: Pallas interpret mode (``None``: on unless running on a GPU); ignored by the other backends.
+      spline_order: optional, the order ``k`` the layer was built with (``KANConfig.spline_order``). The params do
+        not store it; given, ``grid`` must have exactly ``G + 2k + 1`` knots per row (``G + k`` = spline_weight's
+        bases), so a grid missing a knot raises instead of being read as order ``k - 1``.
+
+    Raises (naming the argument) on bad shapes or dtypes at trace time, and on a ``grid`` row that decreases when
+    the grid is concrete (not under ``jit``).
     """
-    k = _validate(params, x, backend)
+    k = _validate(params, x, backend, spline_order)
     p = {name: params[name] for name in ("base_weight", "spline_weight", "spline_scaler", "bias") if name in params}
     # not trained, to every order: the backward's own use of the knots must not leak a second-order grid gradient
     p["grid"] = jax.lax.stop_gradient(params["grid"])

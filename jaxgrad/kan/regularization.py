@@ -68,8 +68,9 @@ _INPUT_EPS = 0.1
 
 
 def _safe_sqrt(v):
+    """``sqrt(max(v, 0))`` with gradient 0 (not NaN) at ``v <= 0``; a NaN ``v`` stays NaN (never read as 0)."""
     pos = v > 0
-    return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1.0)), 0.0)
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1.0)), jnp.where(jnp.isnan(v), v, 0.0))
 
 
 def _features_and_coefs(params, x, include_base):
@@ -138,7 +139,12 @@ def kan_regularization(net_params: Sequence[dict[str, jax.Array]] | dict[str, ja
                        materialize: bool = False) -> jax.Array:
     """pykan's sample-based regulariser for a network: ``x`` is propagated through the layers
     (``kan_linear_reference``) and :func:`layer_regularization` is summed over layers. Multiply by pykan's ``lamb``
-    and add to the data loss."""
+    and add to the data loss.
+
+    Non-finite values propagate: a NaN or Inf in ``x`` or in the params makes the result NaN (as pykan's
+    ``torch.std``-based ``reg`` does), never a silent 0, so a diverged model shows in the loss. It does not raise,
+    because the regulariser normally runs inside a jitted loss where values are unknown; run with
+    ``jax.config.update("jax_debug_nans", True)`` to find where the NaN starts."""
     layers = [net_params] if isinstance(net_params, dict) else list(net_params)
     h = x.reshape(-1, x.shape[-1])
     total = jnp.zeros((), h.dtype)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["bspline_basis", "bspline_basis_and_derivative", "bspline_basis_derivative", "curve_to_coefficients", "make_grid", "spline_order_of"]
 
@@ -84,14 +85,33 @@ def _derivative_from_lower(t, lower, k):
                 - _safe_div(lower[..., 1:], t[:, k + 1:] - t[:, 1:-k]))
 
 
+def _check_basis_args(fn: str, x, grid, spline_order, lowest: int) -> int:
+    """Trace-time checks (dtypes, shapes, the static order) naming the argument; returns ``spline_order``."""
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{fn}: 'x' must be a floating-point array (the knots are cast to x's dtype, so an integer "
+                        f"x would truncate them), got {getattr(x, 'dtype', type(x).__name__)}")
+    if isinstance(spline_order, bool) or not isinstance(spline_order, (int, np.integer)) \
+            or not lowest <= spline_order <= 5:
+        raise ValueError(f"{fn}: 'spline_order' (the degree k) must be an int in {lowest}..5, got {spline_order!r}")
+    if getattr(grid, "ndim", None) != 2 or grid.shape[-1] < spline_order + 2:
+        raise ValueError(f"{fn}: 'grid' must have shape [in, G+2k+1] with at least k+2 = {spline_order + 2} knots "
+                         f"per row, got {getattr(grid, 'shape', type(grid).__name__)}")
+    return int(spline_order)
+
+
 def bspline_basis(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
     """Cox-de Boor bases ``B_m(x)``: ``x[..., in]``, ``grid[in, G+2k+1]`` -> ``[..., in, G+k]`` (efficient-kan's
-    ``b_splines``)."""
+    ``b_splines``).
+
+    ``x`` must be floating point and ``spline_order`` an int in 0..5 (0: the piecewise-constant indicator bases the
+    recursion starts from; a KAN layer uses 1..5); anything else raises, naming the argument."""
+    spline_order = _check_basis_args("bspline_basis", x, grid, spline_order, 0)
     return _bases_of_degree(x, grid.astype(x.dtype), spline_order)
 
 
 def bspline_basis_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
-    """``dB_m/dx`` by the equation in the module docstring: ``[..., in, G+k]``."""
+    """``dB_m/dx`` by the equation in the module docstring: ``[..., in, G+k]`` (``spline_order`` in 1..5)."""
+    spline_order = _check_basis_args("bspline_basis_derivative", x, grid, spline_order, 1)
     t = grid.astype(x.dtype)
     return _derivative_from_lower(t, _bases_of_degree(x, t, spline_order - 1), spline_order)
 
@@ -99,6 +119,7 @@ def bspline_basis_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -
 def bspline_basis_and_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -> tuple[jax.Array, jax.Array]:
     """``(bspline_basis, bspline_basis_derivative)`` sharing one recursion up to degree ``k - 1`` (same operations,
     so bitwise the same values as the two separate functions)."""
+    spline_order = _check_basis_args("bspline_basis_and_derivative", x, grid, spline_order, 1)
     t = grid.astype(x.dtype)
     lower = _bases_of_degree(x, t, spline_order - 1)
     return _cox_de_boor_step(x[..., None], t, lower, spline_order), _derivative_from_lower(t, lower, spline_order)
