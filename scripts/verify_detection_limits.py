@@ -19,7 +19,10 @@ command line) unless ``--no-write``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
+import multiprocessing
+import os
 import pathlib
 import sys
 import time
@@ -52,6 +55,30 @@ def judge(err, s_values, precision, rng):
     return caught, not base.passed, confined
 
 
+def _group(job) -> dict:
+    """All trials of one (op, precision, size)."""
+    (op, precision, size), a = job
+    t0 = time.time()
+    caught_all = np.ones(len(a.scales), bool)
+    false_alarms, confined, entries, kinks = 0, 0, 0, 0
+    for trial in range(a.trials):
+        rng = np.random.default_rng([a.seed, trial, size, OPS.index(op)])
+        case = make_case(op, size, precision, rng)
+        err = leaf_errors(case, precision, a.replicas, rng)
+        caught, fa, conf = judge(err, a.scales, precision, rng)
+        caught_all &= np.asarray(caught)
+        false_alarms += fa
+        confined += conf
+        entries = err.error.size
+        kinks += err.kink is not None
+    limit = next((s for i, s in enumerate(a.scales) if caught_all[i:].all()), None)
+    return {"op": op, "precision": precision, "entries": entries, "trials": a.trials, "kinks": kinks > 0,
+            "smallest_scale_caught_in_all": limit,
+            "caught_in_all": {str(s): bool(c) for s, c in zip(a.scales, caught_all)},
+            "false_alarms": false_alarms, "confined_1pct_10sigma_caught": confined,
+            "seconds": round(time.time() - t0, 1)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ops", nargs="+", default=["dense", "conv_relu", "attention"], choices=OPS)
@@ -64,40 +91,26 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes, one (op, precision, size) each")
     a = ap.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # precisions are emulated: the CPU table is the reference one
     if a.quick:
         a.sizes, a.trials = [64, 1024], 4
-    rows = []
+    groups = [(op, precision, size) for op in a.ops for precision in a.precisions for size in a.sizes
+              if size <= MAX_SIZE.get(op, size)]
     t_start = time.time()
-    for op in a.ops:
-        for precision in a.precisions:
-            for size in a.sizes:
-                if size > MAX_SIZE.get(op, size):
-                    continue
-                t0 = time.time()
-                caught_all = np.ones(len(a.scales), bool)
-                false_alarms, confined, entries, kinks = 0, 0, 0, 0
-                for trial in range(a.trials):
-                    rng = np.random.default_rng([a.seed, trial, size, OPS.index(op)])
-                    case = make_case(op, size, precision, rng)
-                    err = leaf_errors(case, precision, a.replicas, rng)
-                    caught, fa, conf = judge(err, a.scales, precision, rng)
-                    caught_all &= np.asarray(caught)
-                    false_alarms += fa
-                    confined += conf
-                    entries = err.error.size
-                    kinks += err.kink is not None
-                limit = next((s for i, s in enumerate(a.scales) if caught_all[i:].all()), None)
-                row = {"op": op, "precision": precision, "entries": entries, "trials": a.trials,
-                       "kinks": kinks > 0, "smallest_scale_caught_in_all": limit,
-                       "caught_in_all": {str(s): bool(c) for s, c in zip(a.scales, caught_all)},
-                       "false_alarms": false_alarms, "confined_1pct_10sigma_caught": confined,
-                       "seconds": round(time.time() - t0, 1)}
-                rows.append(row)
-                print(f"{op:10s} {precision:5s} {entries:8d} entries: scale caught in all {a.trials} from "
-                      f"{limit if limit is not None else '-'}; confined 1% @10 sigma {confined}/{a.trials}; "
-                      f"false alarms {false_alarms}/{a.trials}{' (ReLU kinks)' if kinks else ''} "
-                      f"[{row['seconds']} s]", flush=True)
+    jobs = [(g, a) for g in groups]
+    if a.jobs > 1:
+        with cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            rows = list(ex.map(_group, jobs))
+    else:
+        rows = [_group(j) for j in jobs]
+    for row in rows:
+        lim = row["smallest_scale_caught_in_all"]
+        print(f"{row['op']:10s} {row['precision']:5s} {row['entries']:8d} entries: scale caught in all "
+              f"{row['trials']} from {lim if lim is not None else '-'}; confined 1% @10 sigma "
+              f"{row['confined_1pct_10sigma_caught']}/{row['trials']}; false alarms {row['false_alarms']}/"
+              f"{row['trials']}{' (ReLU kinks)' if row['kinks'] else ''} [{row['seconds']} s]", flush=True)
     env = environment()
     total_fa = sum(r["false_alarms"] for r in rows)
     total_runs = sum(r["trials"] for r in rows)

@@ -20,6 +20,7 @@ error confined to the last 1% of the entries), so one set of samples serves ever
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -54,6 +55,7 @@ def _rounder(precision: str) -> Callable:
     return (lambda a: a) if fmt is None else (lambda a: lax.reduce_precision(a, *fmt))
 
 
+@functools.lru_cache(maxsize=None)
 def _dense(precision):
     r = _rounder(precision)
 
@@ -78,6 +80,7 @@ def _dense(precision):
     return f, ref
 
 
+@functools.lru_cache(maxsize=None)
 def _conv_relu(precision):
     r = _rounder(precision)
 
@@ -106,6 +109,7 @@ def _conv_relu(precision):
     return f, ref
 
 
+@functools.lru_cache(maxsize=None)
 def _attention(precision):
     r = _rounder(precision)
 
@@ -174,17 +178,24 @@ class LeafErrors:
     kink: np.ndarray | None
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_vjp(reference):
+    """One ``(args, ct) -> (outputs, gradients)`` function and its float64 oracle per reference, so repeated trials
+    of a case compile once."""
+
+    def fwd_and_vjp(a, c):
+        out, pull = jax.vjp(reference, *a)
+        return out, pull(c)
+
+    return fwd_and_vjp, float64_oracle(fwd_and_vjp)
+
+
 def leaf_errors(case: Case, precision: str, replicas: int, rng: np.random.Generator) -> LeafErrors:
     """Errors of ``case``'s planted leaf: the kernel's, and ``replicas`` samples of the modelled rounding."""
     y, pb = jax.vjp(case.fn, *case.args)
     ct = jnp.asarray(rng.standard_normal(y.shape), y.dtype)
     g = np.asarray(pb(ct)[case.leaf], np.float64)
-
-    def fwd_and_vjp(a, c):
-        out, pull = jax.vjp(case.reference, *a)
-        return out, pull(c)
-
-    oracle = float64_oracle(fwd_and_vjp)
+    fwd_and_vjp, oracle = _reference_vjp(case.reference)
     samples = sample_rounding(fwd_and_vjp, case.args, ct, precision, replicas, rng, oracle)
     truth = oracle(case.args, ct)
     j = 1 + case.leaf  # flat outputs: the forward output, then the gradients

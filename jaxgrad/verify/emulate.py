@@ -93,15 +93,31 @@ def _eval(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fmt, l
     return [read(v) for v in jaxpr.outvars]
 
 
+_CACHE: dict[Any, tuple[Callable[..., Any], set[str]]] = {}
+_CACHE_SIZE = 64
+
+
 def at_precision(fn: Callable[..., Any], precision: str, *example_args: Any) -> tuple[Callable[..., Any], set[str]]:
     """``fn`` as a ``precision`` kernel would compute it (module doc), jit-compiled for ``example_args``' shapes.
 
     Returns:
       ``(emulated, not_emulated)``: ``emulated(*args)`` returns ``fn(*args)``'s flat output leaves;
-      ``not_emulated`` names the loop primitives whose bodies ran unrounded.
+      ``not_emulated`` names the loop primitives whose bodies ran unrounded. Memoised on ``(fn, precision, shapes,
+      dtypes, x64)`` (a few dozen entries), so repeated checks of one function compile once.
     """
     if precision not in OPERAND_FORMAT:
         raise ValueError(f"at_precision: precision must be one of {sorted(OPERAND_FORMAT)}, got {precision!r}")
+    leaves, treedef = jax.tree.flatten(example_args)
+    key = (fn, precision, treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
+           bool(jax.config.jax_enable_x64))
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _build(fn, precision, *example_args)
+    return _CACHE[key]
+
+
+def _build(fn, precision, *example_args):
     fmt = OPERAND_FORMAT[precision]
     closed = jax.make_jaxpr(fn)(*example_args)
     loops: set[str] = set()
