@@ -72,7 +72,7 @@ def _group(job) -> dict:
         entries = err.error.size
         kinks += err.kink is not None
     limit = next((s for i, s in enumerate(a.scales) if caught_all[i:].all()), None)
-    return {"op": op, "precision": precision, "entries": entries, "trials": a.trials, "kinks": kinks > 0,
+    return {"op": op, "precision": precision, "size": size, "entries": entries, "trials": a.trials, "kinks": kinks > 0,
             "smallest_scale_caught_in_all": limit,
             "caught_in_all": {str(s): bool(c) for s, c in zip(a.scales, caught_all)},
             "false_alarms": false_alarms, "confined_1pct_10sigma_caught": confined,
@@ -100,11 +100,26 @@ def main(argv=None) -> int:
               if size <= MAX_SIZE.get(op, size)]
     t_start = time.time()
     jobs = [(g, a) for g in groups]
+    partial = pathlib.Path(a.out) / "verify-detection.partial.jsonl" if not a.no_write else None
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+
+    def keep(row):  # rows are kept as they finish, so a run cut short still leaves its finished groups
+        rows.append(row)
+        if partial is not None:
+            with partial.open("a") as f:
+                f.write(json.dumps(_jsonable(row)) + "\n")
+
     if a.jobs > 1:
         with cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            rows = list(ex.map(_group, jobs))
+            for fut in cf.as_completed([ex.submit(_group, j) for j in jobs]):
+                keep(fut.result())
     else:
-        rows = [_group(j) for j in jobs]
+        for j in jobs:
+            keep(_group(j))
+    order = {g: i for i, g in enumerate(groups)}
+    rows.sort(key=lambda r: order.get((r["op"], r["precision"], r["size"]), 0))
     for row in rows:
         lim = row["smallest_scale_caught_in_all"]
         print(f"{row['op']:10s} {row['precision']:5s} {row['entries']:8d} entries: scale caught in all "
