@@ -113,11 +113,13 @@ def _matmul_precision_label(platform_name: str) -> str:
 def provenance() -> dict[str, Any]:
     """The commit measured, whether the tree had uncommitted changes, and the command line.
 
-    From ``git`` where the checkout has its history; on a machine that got a copy of the tree without it (the GPU
-    machines), from ``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY``, set by whoever launched the run."""
+    From ``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY`` when the launcher sets them (a GPU machine gets a copy of the tree
+    whose ``.git``, if any, is not the launcher's), else from ``git``."""
     commit, dirty = os.environ.get("JAXGRAD_COMMIT"), os.environ.get("JAXGRAD_DIRTY")
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
+        if commit:  # the launcher knows better than a copied tree's (possibly stale) .git
+            raise OSError
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,

@@ -10,7 +10,8 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
 
 1. **Normwise.** :math:`R = \|e_\perp\|^2 / \overline{\|r_{k\perp}\|^2}` (components orthogonal to ``g*``, so a
    scale error does not count twice) is :math:`F(d, Kd)`-distributed with ``d`` effective degrees of freedom
-   (the participation ratio of the per-entry variances); it fails above :math:`c^2 F^{-1}_{1-\alpha}(d, Kd)`.
+   (the participation ratio of the per-entry variances, or fewer where the replicas' norms vary more, as correlated
+   entries make them); it fails above :math:`c^2 F^{-1}_{1-\alpha}(d, Kd)`.
 2. **Scale / sign bias.** :math:`\beta = \langle e, g^*\rangle / \|g^*\|^2` (a gradient ``(1+s) g*`` gives
    ``beta = s``). Its rounding spread :math:`\sigma_\beta` is the larger of the replicas' RMS ``beta_k`` (which
    sees correlated errors) and :math:`\sqrt{\sum_i v_i g_i^{*2}} / \|g^*\|^2` (independent entries), times
@@ -24,9 +25,12 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
    :math:`e_i^2/\overline{r_{ki}^2}` is :math:`F(1, K)`, so the largest fails above
    :math:`F^{-1}_{1-\alpha/n}(1, K)` (Bonferroni over the ``n`` entries).
 4. **Slices.** For every axis of a leaf with two or more axes, and every index along it (a row, a column, a
-   channel, a border): :math:`T = \sum_{i \in S} z_i^2`, a sum of ``n_S`` :math:`F(1, K)` terms; fails above its
-   :math:`1 - \alpha / n_{\text{slices}}` quantile, the larger of a moment-matched scaled :math:`\chi^2` (the bulk)
-   and the heavy tail of one large term, :math:`(n_S - 1) E F + F^{-1}_{1-\alpha'/n_S}(1, K)`. An
+   channel, a border): :math:`T = \sum_{i \in S} z_i^2`. With independent entries it is a sum of ``n_S``
+   :math:`F(1, K)` terms; but the entries of a slice share rounded operands (a row of ``x^T g`` shares the rounding
+   of one ``x`` column), so the null distribution is matched to the replicas' own slice sums (each replica judged
+   with the variance of the other ``K - 1``): a scaled :math:`\chi^2` with their mean and variance. It fails above
+   the :math:`1 - \alpha / n_{\text{slices}}` quantile of that, or of the independent-entry sum (bulk
+   :math:`\chi^2` and the heavy tail of one large term), whichever is larger. An
    error confined to a border row, a stale column or a ragged last block stands out here even when the leaf's
    norm hides it.
 
@@ -180,7 +184,10 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: n
     r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r])
     den = float(np.mean(np.sum(r_perp * r_perp, axis=1))) + float(np.sum(v)) * 1e-300
     num = float(np.vdot(e_perp, e_perp))
-    dof = float(np.sum(v) ** 2 / np.sum(v * v)) if np.sum(v * v) > 0 else 1.0
+    dof = float(np.sum(v) ** 2 / np.sum(v * v)) if np.sum(v * v) > 0 else 1.0  # independent entries
+    norms = np.sum(r_perp * r_perp, axis=1)
+    if np.var(norms) > 0:  # correlated entries have fewer effective degrees of freedom: the replicas show how many
+        dof = min(dof, 2 * float(np.mean(norms)) ** 2 / float(np.var(norms)))
     dof = max(1.0, min(dof, float(n)))
     norm_ratio = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
     norm_limit = factor * math.sqrt(float(sps.f.isf(a4, dof, k * dof)))
@@ -205,17 +212,27 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: n
     entry_limit = math.sqrt(float(sps.f.isf(a4 / n, 1, k)))
     entry_index = tuple(int(i) for i in np.unravel_index(worst, e.shape)) if e.size else ()
 
-    # 4. slices along every axis (leaves of two or more axes)
+    # 4. slices along every axis (leaves of two or more axes). Errors within a slice can be correlated (a rounded
+    # operand shared by a whole row of an outer product), so a slice sum is not a sum of independent F(1, K) terms:
+    # its distribution is taken from the replicas' own slice sums (each judged with the variance of the others).
     slice_ratio, slice_where = 0.0, "none (a leaf of fewer than two axes)"
     axes = [ax for ax in range(e.ndim) if e.shape[ax] > 1] if e.ndim >= 2 else []
     n_slices = sum(e.shape[ax] for ax in axes)
+    if axes:
+        extra = v - np.mean(r * r, axis=0)  # kink and floor terms
+        z2_rep = np.stack([r[j] ** 2 / ((np.sum(r * r, axis=0) - r[j] ** 2) / (k - 1) + extra) for j in range(k)])
     for ax in axes:
-        t = np.sum(np.moveaxis(z2, ax, 0).reshape(e.shape[ax], -1), axis=1)
-        size = n // e.shape[ax]
-        lim = _sum_of_f_quantile(size, k, a4 / n_slices)
+        length = e.shape[ax]
+        t = np.sum(np.moveaxis(z2, ax, 0).reshape(length, -1), axis=1)
+        t_rep = np.sum(np.moveaxis(z2_rep, ax + 1, 1).reshape(k, length, -1), axis=2).ravel()
+        mean_t, var_t = float(np.mean(t_rep)), float(np.var(t_rep))
+        lim = _sum_of_f_quantile(n // length, k, a4 / n_slices)
+        if var_t > 0 and mean_t > 0:  # scaled chi-square matched to the replicas' slice sums
+            dof_t = max(2 * mean_t * mean_t / var_t, 0.5)
+            lim = max(lim, var_t / (2 * mean_t) * float(sps.chi2.isf(a4 / n_slices, dof_t)))
         j = int(np.argmax(t))
         if t[j] / lim > slice_ratio:
-            slice_ratio, slice_where = float(t[j] / lim), f"axis {ax} index {j} of {e.shape[ax]}"
+            slice_ratio, slice_where = float(t[j] / lim), f"axis {ax} index {j} of {length}"
 
     failed = tuple(name for name, bad in (
         ("norm", norm_ratio > norm_limit), ("scale", abs(beta) > beta_limit), ("entry", entry_z > entry_limit),
