@@ -5,6 +5,9 @@
     jaxgrad audit --planted       # show the verifier catching the planted-bug catalogue (and passing the correct VJPs)
     jaxgrad audit --json out.json # also write the reports as JSON
     jaxgrad audit -v              # print the full check_vjp table of every size
+    jaxgrad train kan configs/kan.toml --out runs/kan [--set train.steps=100] [--resume | --overwrite]
+    jaxgrad train cnn configs/cnn.toml --out runs/cnn
+    jaxgrad bench kan [--sizes small]   # a benchmark suite (scripts/bench.py's options)
 """
 
 from __future__ import annotations
@@ -87,10 +90,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the reports to this JSON file")
     p.add_argument("-v", "--verbose", action="store_true", help="print every check_vjp table")
+    p = sub.add_parser("train", help="train a family with the jaxgrad.train engine from a TOML config")
+    p.add_argument("family", choices=_families(), help="model family")
+    p.add_argument("config", nargs="?", help="TOML config file (sections [train], [model], [data])")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key, e.g. --set train.lr=1e-3 (repeatable)")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue the run in DIR from its latest good checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="start again in a non-empty DIR (replaces only the "
+                                                            "run's own files)")
+    p.add_argument("--no-progress", action="store_true", help="print lines instead of a progress bar")
+    p = sub.add_parser("bench", help="run a benchmark suite (scripts/bench.py)", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="SUITE [--sizes small|full] [--out DIR] ...")
     args = parser.parse_args(argv)
     if args.command == "audit":
         return _audit_planted(args) if args.planted else _audit_ops(args)
+    if args.command == "train":
+        from jaxgrad.train.cli_train import run
+
+        return run(args.family, args.config, args.set, args.out, resume=args.resume, overwrite=args.overwrite,
+                   progress=not args.no_progress)
+    if args.command == "bench":
+        return _bench(args.bench_args)
     return 2
+
+
+def _families() -> list[str]:
+    from jaxgrad.train.families import FAMILIES
+
+    return list(FAMILIES)
+
+
+def _bench(bench_args: list[str]) -> int:
+    """Delegate to ``scripts/bench.py`` (its options, its output format) from a checkout."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+    if not path.is_file():
+        print(f"jaxgrad bench: {path} not found (the benchmark suites live in a source checkout)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("jaxgrad_bench_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return int(mod.main(bench_args) or 0)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,12 @@ with pure L-BFGS from efficient-kan's initialisation, optax's L-BFGS fell into a
 edge left unused) for 3 of 4 seeds; with the Adam warm-up every seed tried reached ~1.7e-2 at G=3.
 ``--adam-steps 0`` gives the pure-L-BFGS run.
 
-The layer forward is ``kan_linear_reference`` (plain JAX; the model is tiny). No bias, as in pykan's default
+Every phase runs on the training engine (:func:`jaxgrad.train.train_in_memory`: jitted step, optax L-BFGS through
+``optax.value_and_grad_from_state``, the NaN guard skipping a non-finite step, the grid updates as task
+transitions that restart the optimiser state) with the model and data of :mod:`jaxgrad.kan.task`; this script
+chains the phases and reports. The layer forward is ``kan_linear_reference`` (``backend="reference"``, plain JAX;
+the model is tiny; ``--backend xla|pallas`` trains through the custom VJP instead). ``jaxgrad train kan`` is the
+checkpointed, resumable run of the same fit. No bias, as in pykan's default
 ``MultKAN`` (its node affine parameters are frozen). Prints train/test RMSE per G next to pykan's reported values,
 writes ``kan_fit_<date>.json`` and ``kan_fit_activations.png`` into ``--out-dir``.
 """
@@ -44,129 +49,26 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jaxgrad.kan.grid import refine_network, update_grids  # noqa: E402
-from jaxgrad.kan.layer import KANConfig, init, kan_linear_reference  # noqa: E402
+from jaxgrad.kan.task import KANFit, make_dataset, make_task, refine_params, rmse  # noqa: E402
+from jaxgrad.train import TrainConfig, train_in_memory  # noqa: E402
 
 # pykan docs, Example_1_function_fitting (200 LBFGS steps per grid; refine 3 -> 10 -> 20 -> 50 -> 100)
 PYKAN_REPORTED = {3: (1.46e-2, 1.53e-2), 10: (2.84e-4, 3.29e-4), 20: (4.21e-5, 4.04e-5), 50: (1.02e-5, 1.24e-5),
                   100: (1.64e-4, 1.74e-3)}
 
 
-def target(x):
-    return jnp.exp(jnp.sin(jnp.pi * x[:, :1]) + x[:, 1:2] ** 2)
-
-
-def make_dataset(n_train, n_test, seed):
-    rng = np.random.default_rng(seed)
-    xtr = jnp.asarray(rng.uniform(-1, 1, (n_train, 2)))
-    xte = jnp.asarray(rng.uniform(-1, 1, (n_test, 2)))
-    return xtr, target(xtr), xte, target(xte)
-
-
-def forward(layers, x):
-    for p in layers:
-        x = kan_linear_reference(p, x)
-    return x
-
-
-def split(layers):
-    train = [{n: v for n, v in p.items() if n != "grid"} for p in layers]
-    grids = [p["grid"] for p in layers]
-    return train, grids
-
-
-def merge(train, grids):
-    return [dict(t, grid=g) for t, g in zip(train, grids)]
-
-
-@jax.jit
-def _rmse(layers, x, y):
-    return jnp.sqrt(jnp.mean((forward(layers, x) - y) ** 2))
-
-
-def rmse(layers, x, y):
-    return float(_rmse(layers, x, y))
-
-
-def _loss_fn(grids, x, y):
-    def loss(tr):
-        return jnp.mean((forward(merge(tr, grids), x) - y) ** 2)
-    return loss
-
-
-def make_lbfgs_runner(memory_size, linesearch="zoom"):
-    """jit'd ``run(train, grids, x, y, n_iters)``: ``n_iters`` L-BFGS iterations from a fresh L-BFGS memory.
-
-    ``linesearch``: ``"zoom"`` (strong Wolfe, like pykan's ``line_search_fn="strong_wolfe"``) or ``"backtracking"``
-    (Armijo)."""
-    if linesearch == "zoom":
-        ls = optax.scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one")
-    else:
-        ls = optax.scale_by_backtracking_linesearch(max_backtracking_steps=20, store_grad=True)
-    opt = optax.lbfgs(memory_size=memory_size, linesearch=ls)
-
-    def run(train, grids, x, y, n_iters):
-        loss = _loss_fn(grids, x, y)
-        value_and_grad = optax.value_and_grad_from_state(loss)
-
-        def body(_, carry):
-            tr, state = carry
-            value, grad = value_and_grad(tr, state=state)
-            updates, new_state = opt.update(grad, state, tr, value=value, grad=grad, value_fn=loss)
-            new_tr = optax.apply_updates(tr, updates)
-            ok = jnp.isfinite(optax.tree.get(new_state, "value"))  # never step into a NaN
-            new_tr = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_tr, tr)
-            new_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_state, state)
-            return new_tr, new_state
-
-        tr, _ = jax.lax.fori_loop(0, n_iters, body, (train, opt.init(train)))
-        return tr
-
-    return jax.jit(run)
-
-
-def make_adam_runner(lr):
-    """jit'd ``run(train, grids, x, y, n_iters)``: ``n_iters`` full-batch Adam steps from a fresh Adam state."""
-    opt = optax.adam(lr)
-
-    def run(train, grids, x, y, n_iters):
-        grad = jax.grad(_loss_fn(grids, x, y))
-
-        def body(_, carry):
-            tr, state = carry
-            updates, state = opt.update(grad(tr), state, tr)
-            return optax.apply_updates(tr, updates), state
-
-        tr, _ = jax.lax.fori_loop(0, n_iters, body, (train, opt.init(train)))
-        return tr
-
-    return jax.jit(run)
-
-
-_update_grids_jit = jax.jit(update_grids)  # x is finite by construction (make_dataset)
-_refine_network_jit = jax.jit(refine_network, static_argnums=1)
-
-
-def run_chunks(layers, xtr, ytr, runner, chunks):
-    """``chunks``: list of ``(update_grid_first, n_iters)``."""
-    for upd, n in chunks:
-        if upd:
-            layers = _update_grids_jit(layers, xtr)
-        if n > 0:
-            train, grids = split(layers)
-            layers = merge(runner(train, grids, xtr, ytr, n), grids)
-    return layers
-
-
-def pykan_fit_chunks(steps, iters_per_step, grid_update_every, stop_grid_update_step):
-    """pykan ``fit(update_grid=True)``: grid updates at steps ``0, every, ... < stop``, optimiser in between."""
-    ups = list(range(0, min(steps, stop_grid_update_step), grid_update_every)) if grid_update_every else []
-    bounds = sorted(set([0] + ups + [steps]))
-    return [(s0 in ups, (s1 - s0) * iters_per_step) for s0, s1 in zip(bounds[:-1], bounds[1:])]
+def phase(fit: KANFit, params, cfg: TrainConfig, *, update_every: int, stop_update: int):
+    """``cfg.steps`` engine steps on grid ``params`` (fresh optimiser state), grid updates every ``update_every``
+    steps while ``< stop_update`` (each restarts the optimiser state: the parameters jump)."""
+    if cfg.steps == 0:
+        return params
+    grid = int(params[0]["spline_weight"].shape[-1] - fit.spline_order)
+    task = make_task(KANFit(**{**fit.__dict__, "grids": (grid,), "refine_every": 0,
+                               "grid_update_every": update_every, "stop_grid_update_step": stop_update}), cfg.steps)
+    state, _ = train_in_memory(task, cfg, params)
+    return state["params"]
 
 
 def main(argv=None):
@@ -184,6 +86,8 @@ def main(argv=None):
                     help="Adam warm-up steps on the first grid (default 2000; 0 = pure L-BFGS)")
     ap.add_argument("--adam-lr", type=float, default=1e-2)
     ap.add_argument("--adam-grid-update-every", type=int, default=200)
+    ap.add_argument("--backend", choices=["reference", "xla", "pallas"], default="reference",
+                    help="KAN layer used for the gradients (default: plain-JAX reference)")
     ap.add_argument("--n-train", type=int, default=None)
     ap.add_argument("--n-test", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1)
@@ -198,33 +102,34 @@ def main(argv=None):
     adam_steps = args.adam_steps if args.adam_steps is not None else (50 if q else 2000)
     n_train = args.n_train or (200 if q else 1000)
     n_test = args.n_test or (200 if q else 1000)
-
-    xtr, ytr, xte, yte = make_dataset(n_train, n_test, args.seed)
-    keys = jax.random.split(jax.random.key(args.seed), 2)
-    widths = [2, 1, 1]
-    init_jit = jax.jit(init, static_argnums=(1, 2))  # eager init would compile op by op
-    layers = [init_jit(kk, KANConfig(a, b, grid_size=grids[0], spline_order=3), jnp.float64)
-              for kk, a, b in zip(keys, widths[:-1], widths[1:])]
     linesearch = args.linesearch or "zoom"
-    lbfgs = make_lbfgs_runner(args.memory_size, linesearch)
-    adam = make_adam_runner(args.adam_lr)
-    lbfgs_chunks = pykan_fit_chunks(steps, ips, args.grid_update_every, args.stop_grid_update_step)
+    widths = (2, 1, 1)
+
+    fit = KANFit(widths=widths, grids=(grids[0],), backend=args.backend, dtype="float64", n_train=n_train,
+                 n_test=n_test, data_seed=args.seed)
+    xtr, ytr, xte, yte = make_dataset(fit)
+    layers = make_task(fit, 1).init(jax.random.key(args.seed))
+    lbfgs = TrainConfig(steps=max(steps * ips, 1), optimizer="lbfgs", lbfgs_memory=args.memory_size,
+                        linesearch=linesearch, nan_policy="skip", seed=args.seed)
+    adam = TrainConfig(steps=max(adam_steps, 1), optimizer="adam", lr=args.adam_lr, nan_policy="skip",
+                       seed=args.seed)
     every = args.adam_grid_update_every or max(adam_steps, 1)
-    adam_chunks = [(True, min(every, adam_steps - s)) for s in range(0, adam_steps, every)]
 
     rows = []
     t_all = time.perf_counter()
-    print(f"KAN {widths}, k=3, float64, {n_train} train / {n_test} test; per grid {steps} steps x {ips} L-BFGS "
+    print(f"KAN {list(widths)}, k=3, float64, {n_train} train / {n_test} test; per grid {steps} steps x {ips} L-BFGS "
           f"iterations (grid updates every {args.grid_update_every} steps < {args.stop_grid_update_step}); "
-          f"{adam_steps} Adam steps first on G={grids[0]}")
+          f"{adam_steps} Adam steps first on G={grids[0]}; gradients: {args.backend}")
     print(f"{'G':>4} {'train RMSE':>11} {'test RMSE':>11} {'pykan train':>12} {'pykan test':>11} {'time s':>7}")
     for gi, G in enumerate(grids):
         t0 = time.perf_counter()
         if gi > 0:
-            layers = _refine_network_jit(layers, G, xtr)
-        elif adam_chunks:
-            layers = run_chunks(layers, xtr, ytr, adam, adam_chunks)
-        layers = run_chunks(layers, xtr, ytr, lbfgs, lbfgs_chunks)
+            layers = refine_params(layers, G, xtr)
+        elif adam_steps:
+            layers = phase(fit, layers, adam.replace(steps=adam_steps), update_every=every, stop_update=adam_steps)
+        if steps * ips:
+            layers = phase(fit, layers, lbfgs.replace(steps=steps * ips),
+                           update_every=args.grid_update_every * ips, stop_update=args.stop_grid_update_step * ips)
         jax.block_until_ready(layers)
         dt = time.perf_counter() - t0
         row = {"G": G, "train_rmse": rmse(layers, xtr, ytr), "test_rmse": rmse(layers, xte, yte), "seconds": dt}
@@ -244,7 +149,7 @@ def main(argv=None):
         "quick": q, "grids": grids, "steps_per_grid": steps, "lbfgs_iters_per_step": ips,
         "grid_update_every": args.grid_update_every, "stop_grid_update_step": args.stop_grid_update_step,
         "lbfgs_memory": args.memory_size, "linesearch": linesearch, "adam_steps_first_grid": adam_steps,
-        "adam_lr": args.adam_lr,
+        "adam_lr": args.adam_lr, "backend": args.backend,
         "adam_grid_update_every": args.adam_grid_update_every, "n_train": n_train, "n_test": n_test,
         "seed": args.seed, "dtype": "float64", "device": str(jax.devices()[0]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "jax": jax.__version__, "optax": optax.__version__,

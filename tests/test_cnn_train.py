@@ -83,7 +83,8 @@ def test_synthetic_run_writes_everything_and_learns(tmp_path):
                               "--out", str(out)] + BASE)
     # run directory: only the script's entries
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["run.json", "metrics.jsonl", "summary.json", "examples.png", "checkpoints", "images", "synthetic"])
+        ["run.json", "metrics.jsonl", "metrics.csv", "summary.json", "examples.png", "checkpoints", "images",
+         "synthetic"])
     for name in ("clean", "noisy_a", "noisy_b", "density"):
         assert (out / "synthetic" / "train" / f"{name}.mrc").is_file()
         assert (out / "synthetic" / "heldout" / f"{name}.mrc").is_file()

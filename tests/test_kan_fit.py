@@ -14,6 +14,16 @@ import pytest
 from jaxgrad.kan.layer import KANConfig, init
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# pykan's reported RMSE series for this task (docs Example_1_function_fitting), as committed with the full run
+PYKAN_SERIES = ROOT / "benchmarks/results/kan_fit_20261122.json"
+# The --quick run may be this many times pykan's RMSE at G=3 (the coarsest G of pykan's series; pykan reports no
+# G=5, and a finer grid fully trained only does better). Why 25: the quick run trains 200 samples for 50 Adam steps
+# plus 20 L-BFGS iterations per G, where pykan (and our full run, which is within 1.4x of pykan at every G) trains
+# 1000 samples for 4000 L-BFGS iterations per G; with seed 1 it measured 19.5x / 19.3x (train / test) at G=3 and
+# 5.1x / 7.6x at G=5 (float64 on CPU, deterministic; the same to 3 digits without the XLA flag below), so 25 leaves
+# 1.3x headroom. It fails a constant predictor (test RMSE 1.39 = 91x), the best linear fit (0.99 = 65x) and the poor
+# fit that the quick run reaches with seeds 2 and 3 (0.76-0.79 = 50-52x).
+QUICK_VS_PYKAN_FACTOR = 25
 
 
 def _have_matplotlib():
@@ -37,8 +47,11 @@ def test_kan_fit_quick_runs(tmp_path):
     (js,) = tmp_path.glob("kan_fit_*_quick.json")
     res = json.loads(js.read_text())
     assert [r["G"] for r in res["results"]] == [3, 5]
+    pykan = {r["G"]: r for r in json.loads(PYKAN_SERIES.read_text())["results"]}[3]
     for r in res["results"]:
-        assert 0 < r["train_rmse"] < 2.0 and 0 < r["test_rmse"] < 2.0  # finite, and below the target's spread
+        assert 0 < r["train_rmse"] < QUICK_VS_PYKAN_FACTOR * pykan["pykan_train_rmse"], r
+        assert 0 < r["test_rmse"] < QUICK_VS_PYKAN_FACTOR * pykan["pykan_test_rmse"], r
+    assert res["results"][1]["test_rmse"] < res["results"][0]["test_rmse"]  # refining to G=5 helps
     if plot:  # without matplotlib the script ran with --no-plot
         png = tmp_path / "kan_fit_activations_quick.png"
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,19 @@
+"""The families ``jaxgrad train`` knows: name -> the module that provides ``CLI_SCHEMA`` (its ``[model]`` and
+``[data]`` keys), ``CLI_TRAIN_DEFAULTS``, ``CLI_FIXED`` (keys that may not change on ``--resume``),
+``CLI_OUTPUTS`` (extra files it writes into the run directory), ``needs_x64(cfg)`` and
+``cli_task(cfg, out, say) -> (Task, finish)``.
+
+The LoRA family joins by adding ``"lora": "jaxgrad.lora.task"`` here once that module provides the same names.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+FAMILIES = {"kan": "jaxgrad.kan.task", "cnn": "jaxgrad.cnn.task"}
+
+
+def family_module(name: str):
+    if name not in FAMILIES:
+        raise KeyError(f"unknown family {name!r} (known: {', '.join(FAMILIES)})")
+    return importlib.import_module(FAMILIES[name])

@@ -1,0 +1,51 @@
+"""Optimisers and learning-rate schedules from the engine's configuration (all optax).
+
+``make_optimizer(cfg)``: ``optax.adam`` / ``adamw`` / ``sgd`` with a schedule, preceded by
+``optax.clip_by_global_norm`` when ``clip_norm`` is set; or ``optax.lbfgs`` (memory ``lbfgs_memory``, zoom =
+strong-Wolfe or backtracking line search), which the step drives through ``optax.value_and_grad_from_state``.
+A plain constant-rate Adam is ``optax.adam(lr)`` itself (its state ``(ScaleByAdamState, EmptyState)``).
+"""
+
+from __future__ import annotations
+
+import optax
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "lbfgs")
+SCHEDULES = ("constant", "cosine", "warmup_cosine", "linear")
+
+
+def make_schedule(name: str, lr: float, steps: int, warmup_steps: int = 0, end_factor: float = 0.0):
+    """A float (constant) or an optax schedule of the step count."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    if name == "constant":
+        return lr if not warmup_steps else optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps])
+    if name == "cosine":
+        return optax.cosine_decay_schedule(lr, max(steps, 1), alpha=end_factor)
+    if name == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(steps, warmup_steps + 1),
+                                                  end_value=lr * end_factor)
+    return optax.linear_schedule(lr, lr * end_factor, max(steps, 1), transition_begin=warmup_steps)
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+    """``cfg``: a :class:`jaxgrad.train.config.TrainConfig` (or anything with its attributes)."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
+    if cfg.optimizer == "lbfgs":
+        if cfg.linesearch == "zoom":
+            ls = optax.scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one")
+        else:
+            ls = optax.scale_by_backtracking_linesearch(max_backtracking_steps=20, store_grad=True)
+        return optax.lbfgs(memory_size=cfg.lbfgs_memory, linesearch=ls)
+    lr = make_schedule(cfg.schedule, cfg.lr, cfg.steps, cfg.warmup_steps)
+    if cfg.optimizer == "adam":
+        opt = optax.adam(lr)
+    elif cfg.optimizer == "adamw":
+        opt = optax.adamw(lr, weight_decay=cfg.weight_decay)
+    else:
+        opt = optax.sgd(lr, momentum=cfg.momentum or None)
+    if cfg.clip_norm is not None:
+        opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
+    return opt

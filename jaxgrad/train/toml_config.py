@@ -1,0 +1,179 @@
+"""The ``jaxgrad train`` configuration: a TOML file, ``--set section.key=value`` overrides, a typed schema.
+
+A configuration has the sections ``[train]`` (:class:`~jaxgrad.train.config.TrainConfig`'s fields), ``[model]``
+and ``[data]`` (the family's schema, e.g. :data:`jaxgrad.kan.task.CLI_SCHEMA`). Every key is typed by the schema;
+an unknown section or key, a value of the wrong type or outside its choices, a missing or malformed file raise
+:class:`~jaxgrad.train.errors.ConfigError` with one line naming the file or option and the key. TOML has no null:
+an optional key (``int?``) is unset by leaving it out, or with ``--set key=none``.
+
+``--set`` values are parsed as TOML values (``--set train.lr=3e-4``, ``--set model.widths=[2,5,1]``); a bare word
+that is not a TOML value is a string (``--set model.backend=pallas``). A key without a section (``--set lr=1e-3``)
+is accepted when exactly one section has it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import tomllib
+from typing import Any
+
+from jaxgrad.train.config import TrainConfig, train_config_fields
+from jaxgrad.train.errors import ConfigError
+
+# kind: "int", "float", "bool", "str", "ints", "strs", "float+"; a trailing "?" allows None (unset)
+Spec = tuple  # (kind, default) or (kind, default, choices)
+
+_TRAIN_KINDS = {"steps": "int", "optimizer": "str", "lr": "float", "schedule": "str", "warmup_steps": "int",
+                "weight_decay": "float", "momentum": "float", "lbfgs_memory": "int", "linesearch": "str",
+                "accumulate": "int", "clip_norm": "float?", "nan_policy": "str", "grad_path": "str", "seed": "int",
+                "param_dtype": "str?", "compute_dtype": "str?", "output_dtype": "str?", "devices": "int?",
+                "checkpoint_every": "int", "keep": "int", "log_every": "int", "eval_every": "int",
+                "print_every": "int"}
+
+# [train] keys that define the optimiser state's structure or the data order: fixed on --resume
+TRAIN_FIXED = ("seed", "accumulate", "optimizer", "schedule", "warmup_steps", "clip_norm", "lbfgs_memory",
+               "linesearch", "param_dtype")
+
+
+def train_schema() -> dict[str, Spec]:
+    return {k: (_TRAIN_KINDS[k], v) for k, v in train_config_fields().items()}
+
+
+def _type_name(kind: str) -> str:
+    base = kind.rstrip("?")
+    name = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+            "ints": "a list of integers", "strs": "a list of strings"}[base]
+    return name + (" (or none)" if kind.endswith("?") else "")
+
+
+def check_value(where: str, key: str, spec: Spec, value: Any) -> Any:
+    """``value`` converted to the schema's kind, or a ConfigError naming ``where`` and ``key``."""
+    kind = spec[0]
+    if value is None:
+        if kind.endswith("?"):
+            return None
+        raise ConfigError(f"{where}: '{key}' must be {_type_name(kind)}, got none")
+    base = kind.rstrip("?")
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+          "ints": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+          "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)}[base](value)
+    if not ok:
+        raise ConfigError(f"{where}: '{key}' must be {_type_name(kind)}, got {value!r}")
+    if base == "float":
+        value = float(value)
+    if len(spec) > 2 and value not in spec[2]:
+        raise ConfigError(f"{where}: '{key}' must be one of {list(spec[2])}, got {value!r}")
+    return value
+
+
+def defaults(schema: dict[str, dict[str, Spec]]) -> dict[str, dict]:
+    return {sec: {k: spec[1] for k, spec in keys.items()} for sec, keys in schema.items()}
+
+
+def load_file(path: str | pathlib.Path) -> dict:
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        with open(p, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{p}: not valid TOML ({err})") from None
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot be read ({err.strerror})") from None
+
+
+def apply_table(cfg: dict, table: dict, schema: dict, where: str) -> None:
+    """Merge a parsed TOML table into ``cfg`` (checked against ``schema``)."""
+    for sec, body in table.items():
+        if sec not in schema:
+            raise ConfigError(f"{where}: unknown section [{sec}] (known: {', '.join(f'[{s}]' for s in schema)})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: '{sec}' must be a [{sec}] table, got {body!r}")
+        for key, value in body.items():
+            if key not in schema[sec]:
+                raise ConfigError(f"{where}: unknown key '{sec}.{key}' (known in [{sec}]: "
+                                  f"{', '.join(schema[sec])})")
+            cfg[sec][key] = check_value(where, f"{sec}.{key}", schema[sec][key], value)
+
+
+def _parse_value(text: str):
+    if text.strip().lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(cfg: dict, assignment: str, schema: dict) -> tuple[str, str]:
+    """Apply one ``--set key=value``; returns the resolved ``(section, key)``."""
+    where = f"--set {assignment}"
+    if "=" not in assignment:
+        raise ConfigError(f"{where}: expected key=value, e.g. train.lr=1e-3")
+    key, text = (s.strip() for s in assignment.split("=", 1))
+    if "." in key:
+        sec, name = key.split(".", 1)
+        if sec not in schema or name not in schema[sec]:
+            raise ConfigError(f"{where}: unknown key '{key}'")
+    else:
+        owners = [s for s in schema if key in schema[s]]
+        if len(owners) != 1:
+            raise ConfigError(f"{where}: " + (f"unknown key '{key}'" if not owners else
+                                              f"'{key}' is in {', '.join(f'[{s}]' for s in owners)}; write "
+                                              f"{owners[0]}.{key}"))
+        sec, name = owners[0], key
+    cfg[sec][name] = check_value(where, f"{sec}.{name}", schema[sec][name], _parse_value(text))
+    return sec, name
+
+
+def resolve(schema: dict, config_file: str | None, overrides: list[str], base: dict | None = None) -> dict:
+    """Defaults (or ``base``, a saved run's config) <- the file <- the ``--set`` overrides."""
+    cfg = {sec: dict(v) for sec, v in (base or defaults(schema)).items()}
+    if config_file is not None:
+        apply_table(cfg, load_file(config_file), schema, str(config_file))
+    for a in overrides:
+        apply_override(cfg, a, schema)
+    return cfg
+
+
+def train_config(cfg: dict, where: str = "[train]") -> TrainConfig:
+    try:
+        return TrainConfig(**cfg["train"])
+    except ValueError as err:
+        raise ConfigError(f"{where}: {str(err).replace(chr(39), chr(39) + 'train.', 1).replace('train config: ', '')}") \
+            from None
+
+
+def changed_fixed_keys(saved: dict, new: dict, fixed: dict[str, tuple[str, ...] | str]) -> list[str]:
+    """``section.key: old -> new`` for every fixed key that differs (``fixed[sec]`` = keys, or ``"*"``: all)."""
+    out = []
+    for sec, keys in fixed.items():
+        names = sorted(set(saved.get(sec, {})) | set(new.get(sec, {}))) if keys == "*" else keys
+        for k in names:
+            a, b = saved.get(sec, {}).get(k), new.get(sec, {}).get(k)
+            if a != b:
+                out.append(f"{sec}.{k}: {a!r} -> {b!r}")
+    return out
+
+
+def to_toml(cfg: dict) -> str:
+    """The resolved configuration as TOML (unset optional keys as comments)."""
+    def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for sec, body in cfg.items():
+        lines.append(f"[{sec}]")
+        for k, v in body.items():
+            lines.append(f"# {k} unset" if v is None else f"{k} = {val(v)}")
+        lines.append("")
+    return "\n".join(lines)

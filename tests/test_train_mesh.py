@@ -1,0 +1,94 @@
+"""The engine on a mesh of 8 (fake CPU) devices gives the single-device gradients and optimizer step (float64,
+1e-14 relative: only the order of the cross-device sum differs), for the KAN and the CNN, custom VJPs and Pallas
+kernels (interpret mode) included; a batch that does not divide over the mesh is a clear error.
+
+The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_CHILD = r"""
+import json, sys
+import chex
+chex.set_n_cpu_devices(8)
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_enable_x64", True)
+assert jax.device_count() == 8, jax.devices()
+from jaxgrad.train import TrainConfig, build, data_mesh, init_state, shard_batch
+from jaxgrad.kan.task import KANFit, make_task as kan_task
+from jaxgrad.cnn.task import make_task as cnn_task
+from jaxgrad.cnn.synthetic import SyntheticPairs
+
+def rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+def compare(task, batch, cfg):
+    out = {}
+    results = {}
+    for d in (1, 8):
+        mesh, steps = build(task, cfg, mesh=data_mesh(d))
+        state = init_state(task, cfg, steps, mesh)
+        s, n, g = steps.grad_sums(state["params"], shard_batch(batch, mesh))
+        state, loss, ok = steps.train_step(state, shard_batch(batch, mesh))
+        results[d] = (s, n, g, state["params"], loss)
+    (s1, n1, g1, p1, l1), (s8, n8, g8, p8, l8) = results[1], results[8]
+    out["n"] = [float(n1), float(n8)]
+    out["loss"] = rel(s8, s1)
+    out["grad"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))
+    out["params_after_step"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(p8), jax.tree.leaves(p1)))
+    out["grad_nonzero"] = all(float(np.max(np.abs(np.asarray(a)))) > 0 for a in jax.tree.leaves(g1)
+                              if np.asarray(a).size)
+    out["sharded_over"] = len(shard_batch(batch, data_mesh(8)).__getitem__(0).sharding.device_set) \
+        if isinstance(batch, tuple) else None
+    return out
+
+report = {}
+cfg = TrainConfig(steps=1, optimizer="sgd", lr=0.1, seed=3)
+fit = KANFit(widths=(2, 3, 1), grids=(4,), n_train=32, n_test=8, dtype="float64")
+for backend in ("xla", "pallas"):
+    task = kan_task(KANFit(**{**fit.__dict__, "backend": backend}), 1)
+    batch = next(task.batches(0))
+    report[f"kan/{backend}"] = compare(task, batch, cfg)
+stream = SyntheticPairs(8, 16, snr=0.5, seed=1, batches_per_epoch=1)
+for backend in ("xla", "pallas"):
+    task = cnn_task(stream, channels=(1, 3, 1), backend=backend, precision="highest", dtype=jnp.float64)
+    x, y = next(task.batches(0))
+    report[f"cnn/{backend}"] = compare(task, (x.astype(np.float64), y.astype(np.float64)), cfg)
+# a batch that does not divide over the mesh
+try:
+    shard_batch((np.zeros((12, 2)), np.zeros((12, 1))), data_mesh(8))
+    report["indivisible"] = None
+except ValueError as err:
+    report["indivisible"] = str(err)
+print("REPORT" + json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_eight_fake_devices_match_one_device():
+    # the checks are dominated by XLA compile time; the unoptimised CPU backend compiles faster (same arithmetic:
+    # no fast-math, and the 1e-14 comparison is between two programs of the same flags)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
+    report = json.loads(line[len("REPORT"):])
+    for name, r in report.items():
+        if name == "indivisible":
+            continue
+        assert r["n"][0] == r["n"][1] > 0, (name, r)
+        assert r["grad_nonzero"], (name, r)
+        assert r["sharded_over"] == 8, (name, r)
+        for key in ("loss", "grad", "params_after_step"):
+            assert r[key] <= 1e-14, (name, key, r)
+    msg = report["indivisible"]
+    assert msg is not None and "batch size 12" in msg and "8 devices" in msg, msg
