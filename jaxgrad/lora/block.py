@@ -1,0 +1,353 @@
+r"""The Llama decoder block with LoRA on any of its 7 projections: plain reference and a whole-block ``custom_vjp``.
+
+Forward (Hugging Face ``LlamaDecoderLayer``), ``x [B, T, H]``, each projection ``P(h) = h W^T + s (drop(h) A^T)
+B^T`` (LoRA only where targeted, ``W`` frozen):
+
+.. math::
+
+    h_1 &= \mathrm{RMSNorm}(x; w_\mathrm{in}), \quad q, k, v = P_q(h_1), P_k(h_1), P_v(h_1), \quad
+    \hat q, \hat k = \mathrm{RoPE}(q), \mathrm{RoPE}(k) \\
+    o &= \mathrm{Attn}_\mathrm{causal, GQA}(\hat q, \hat k, v), \qquad x_2 = x + P_o(o) \\
+    h_2 &= \mathrm{RMSNorm}(x_2; w_\mathrm{post}), \quad e, u = P_\mathrm{gate}(h_2), P_\mathrm{up}(h_2), \quad
+    m = \mathrm{silu}(e)\, u, \qquad y = x_2 + P_\mathrm{down}(m)
+
+Backward (:func:`block`'s VJP, every term; :mod:`jaxgrad.ops` has each one's equations), given :math:`\bar y`:
+
+1. residual 2: :math:`\bar x_2 \mathrel{+}= \bar y`; down: :math:`\bar m, \bar A_d, \bar B_d` (LoRA linear);
+2. SwiGLU: :math:`\bar e = \bar m\, u\, \sigma(e)(1 + e(1 - \sigma(e)))`, :math:`\bar u = \bar m\, \mathrm{silu}(e)`;
+3. gate and up: :math:`\bar h_2 = \bar h_2^{gate} + \bar h_2^{up}` and their A/B gradients;
+4. post-attention RMSNorm: :math:`\bar x_2 \mathrel{+}= r_2(g - n_2 \overline{g n_2})`, :math:`\bar w_\mathrm{post}`;
+5. o_proj: :math:`\bar o, \bar A_o, \bar B_o`; attention: :math:`\bar S = P(\bar P - D)`, :math:`\bar{\hat q},
+   \bar{\hat k}, \bar v` with the GQA group sums;
+6. RoPE inverse: :math:`\bar q = \bar{\hat q} \cos - \mathrm{rotate\_half}(\bar{\hat q} \sin)` (same for k);
+7. q, k, v: :math:`\bar h_1` = the sum of the three, and their A/B gradients;
+8. input RMSNorm: :math:`\bar x_1, \bar w_\mathrm{in}`; residual 1: :math:`\bar x = \bar x_2 + \bar x_1`.
+
+What the VJP saves (besides its inputs: ``x``, the frozen weights, norm weights and adapters, which are alive
+anyway): the fp32 row statistics :math:`r_1, r_2` ``[B, T]`` and the attention log-sum-exp ``[B, Hq, T]`` in fp32.
+Everything else (``h1``, q/k/v, RoPE, ``P``, ``o``, ``x2``, ``h2``, ``e``, ``u``, ``m``, the LoRA ``U``, dropout masks
+from the key, NF4 dequantisation) is recomputed in the backward. At the benchmark shape (batch 4, seq 2048, hidden
+2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) that is
+
+* ``x``: 4 x 2048 x 2048 x 2 B = 33,554,432 B (32 MiB; the block input, saved as a residual);
+* ``r1``, ``r2``: 2 x 4 x 2048 x 4 B = 65,536 B;
+* ``lse``: 4 x 16 x 2048 x 4 B = 524,288 B;
+
+589,824 B (576 KiB) beyond the input, 34,144,256 B (32.6 MiB) with it. ``jax.grad`` of the plain block keeps, among
+others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
+
+``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates
+it). ``attention="cudnn"`` runs the attention core through ``jax.nn.dot_product_attention(implementation="cudnn")``
+(GPU only; its backward is cuDNN's, through ``jax.vjp``, and nothing is saved for it); a padding mask is then
+passed as per-row key lengths, so it must be right padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
+from jaxgrad.ops.attention import attention_bwd, attention_fwd, attention_out_from_lse, attention_reference
+from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_linear_fwd, lora_linear_reference
+from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_reference, rms_norm_rstd
+from jaxgrad.ops.rope import apply_rope_reference, rope_bwd_x, rope_cos_sin, rope_fwd
+from jaxgrad.ops.swiglu import _bwd_math as swiglu_bwd_math
+from jaxgrad.ops.swiglu import swiglu_reference
+
+__all__ = ["base_weight", "block", "block_reference", "validate_block_inputs"]
+
+NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def base_weight(w, dtype):
+    """The frozen ``[out, in]`` weight in ``dtype``: ``w`` itself if it is an array, else an NF4 weight dequantised
+    (``jaxgrad.lora.nf4.nf4_dequantize``)."""
+    if isinstance(w, (jax.Array, np.ndarray)):
+        return w if w.dtype == dtype else w.astype(dtype)
+    from jaxgrad.lora.nf4 import nf4_dequantize
+
+    return nf4_dequantize(w, dtype)
+
+
+def _weight_shape(w):
+    return tuple(w.shape)
+
+
+def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions, attention_mask):
+    """Shapes and names of everything :func:`block` takes; raises naming the argument."""
+    if not isinstance(cfg, LlamaConfig):
+        raise TypeError(f"block: 'cfg' must be a LlamaConfig, got {type(cfg).__name__}")
+    if lcfg is not None and not isinstance(lcfg, LoraConfig):
+        raise TypeError(f"block: 'lcfg' must be a LoraConfig or None, got {type(lcfg).__name__}")
+    if not hasattr(x, "ndim") or x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"block: 'x' must be [batch, seq, hidden_size={cfg.hidden_size}], got "
+                         f"{getattr(x, 'shape', type(x))}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"block: 'x' must be floating point, got {x.dtype}")
+    b, t, _ = x.shape
+    cfg.check_seq(t)
+    d, hq, hkv, hid, inter = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, \
+        cfg.intermediate_size
+    want = {("self_attn", "q_proj"): (hq * d, hid), ("self_attn", "k_proj"): (hkv * d, hid),
+            ("self_attn", "v_proj"): (hkv * d, hid), ("self_attn", "o_proj"): (hid, hq * d),
+            ("mlp", "gate_proj"): (inter, hid), ("mlp", "up_proj"): (inter, hid), ("mlp", "down_proj"): (hid, inter)}
+    for (g, n), shape in want.items():
+        try:
+            w = params[g][n]["weight"]
+        except (KeyError, TypeError):
+            raise ValueError(f"block: params['{g}']['{n}']['weight'] is missing") from None
+        if _weight_shape(w) != shape:
+            raise ValueError(f"block: params['{g}']['{n}']['weight'] must be [out, in] = {shape}, got "
+                             f"{_weight_shape(w)}")
+    for n in NORMS:
+        try:
+            w = params[n]["weight"]
+        except (KeyError, TypeError):
+            raise ValueError(f"block: params['{n}']['weight'] is missing") from None
+        if tuple(w.shape) != (hid,):
+            raise ValueError(f"block: params['{n}']['weight'] must be [{hid}], got {tuple(w.shape)}")
+    targets = () if lcfg is None else lcfg.targets
+    lora = lora or {}
+    for (g, n), (out_f, in_f) in want.items():
+        entry = lora.get(g, {}).get(n)
+        if (g, n) not in targets:
+            if entry is not None:
+                raise ValueError(f"block: lora['{g}']['{n}'] is given but '{n}' is not in target_modules")
+            continue
+        if entry is None:
+            raise ValueError(f"block: lora['{g}']['{n}'] is missing ('{n}' is a target module)")
+        r = lcfg.r
+        if tuple(entry["lora_A"].shape) != (r, in_f):
+            raise ValueError(f"block: lora['{g}']['{n}']['lora_A'] must be [r, in] = {(r, in_f)}, got "
+                             f"{tuple(entry['lora_A'].shape)}")
+        if tuple(entry["lora_B"].shape) != (out_f, r):
+            raise ValueError(f"block: lora['{g}']['{n}']['lora_B'] must be [out, r] = {(out_f, r)}, got "
+                             f"{tuple(entry['lora_B'].shape)}")
+    if positions is not None and np.shape(positions) not in ((t,), (b, t)):
+        raise ValueError(f"block: 'positions' must be [seq] or [batch, seq] = {(b, t)}, got {np.shape(positions)}")
+    if attention_mask is not None and np.shape(attention_mask) != (b, t):
+        raise ValueError(f"block: 'attention_mask' must be [batch, seq] = {(b, t)}, got {np.shape(attention_mask)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------------------------
+def _adapter(lora, lcfg, g, n):
+    if lcfg is None or not lcfg.is_targeted(g, n):
+        return None, None
+    e = lora[g][n]
+    return e["lora_A"], e["lora_B"]
+
+
+def _keep(lcfg, dropout_key, g, n, shape, dtype):
+    """PEFT's per-module dropout mask on the LoRA input, from ``fold_in(key, module index)``."""
+    if lcfg is None or dropout_key is None or lcfg.lora_dropout == 0 or not lcfg.is_targeted(g, n):
+        return None
+    return dropout_keep_scale(jax.random.fold_in(dropout_key, PROJECTIONS.index((g, n))), lcfg.lora_dropout, shape,
+                              dtype)
+
+
+def _cos_sin(cfg, positions, b, t, dtype):
+    pos = jnp.arange(t) if positions is None else jnp.asarray(positions)
+    pos = jnp.broadcast_to(pos, (b, t))
+    return rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plain reference (differentiated by jax.grad)
+# ---------------------------------------------------------------------------------------------------------------
+def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions=None,
+                    attention_mask=None, dropout_key=None, train_base: bool = False):
+    """The block in plain JAX: ``jax.grad`` of this is the oracle of :func:`block`'s VJP. Frozen projection weights
+    are ``stop_gradient`` (unless ``train_base``, for training a base model from scratch); the norm weights are
+    differentiable."""
+    dt = x.dtype
+    b, t, _ = x.shape
+    s = 0.0 if lcfg is None else lcfg.scale
+
+    def proj(h, g, n):
+        w = base_weight(params[g][n]["weight"], dt)
+        a, bb = _adapter(lora, lcfg, g, n)
+        if a is None:
+            return (h @ (w if train_base else jax.lax.stop_gradient(w)).T).astype(dt)
+        if train_base:
+            return (h @ w.T).astype(dt) + lora_linear_reference(h, jnp.zeros_like(w), a, bb, s,
+                                                                _keep(lcfg, dropout_key, g, n, h.shape, dt))
+        return lora_linear_reference(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt))
+
+    eps = cfg.rms_norm_eps
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cos, sin = _cos_sin(cfg, positions, b, t, dt)
+    h1 = rms_norm_reference(x, params["input_layernorm"]["weight"], eps)
+    q = apply_rope_reference(proj(h1, "self_attn", "q_proj").reshape(b, t, hq, d), cos, sin)
+    k = apply_rope_reference(proj(h1, "self_attn", "k_proj").reshape(b, t, hkv, d), cos, sin)
+    v = proj(h1, "self_attn", "v_proj").reshape(b, t, hkv, d)
+    o = attention_reference(q, k, v, attention_mask)
+    x2 = x + proj(o.reshape(b, t, hq * d), "self_attn", "o_proj")
+    h2 = rms_norm_reference(x2, params["post_attention_layernorm"]["weight"], eps)
+    m = swiglu_reference(proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj"))
+    return x2 + proj(m, "mlp", "down_proj")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The custom VJP
+# ---------------------------------------------------------------------------------------------------------------
+def _cudnn_attention(q, k, v, attention_mask, attn):
+    """``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation, for CPU tests)."""
+    implementation = attn.split(":", 1)[1] if attn.startswith("sdpa:") else attn
+    lengths = None if attention_mask is None else jnp.sum(attention_mask != 0, axis=-1).astype(jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                        implementation=implementation)
+
+
+def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2=None):
+    """The forward from the saved statistics; returns every activation the backward needs (and ``y`` when
+    ``r2`` is None, i.e. in the forward itself)."""
+    dt = x.dtype
+    b, t, _ = x.shape
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    s = 0.0 if lcfg is None else lcfg.scale
+    act = {}
+
+    def proj(h, g, n):
+        a, bb = _adapter(lora, lcfg, g, n)
+        return lora_linear_fwd(h, base_weight(params[g][n]["weight"], dt), a, bb, s,
+                               _keep(lcfg, dropout_key, g, n, h.shape, dt))
+
+    cos, sin = _cos_sin(cfg, positions, b, t, dt)
+    h1 = rms_norm_apply(x, params["input_layernorm"]["weight"], r1)
+    q = rope_fwd(proj(h1, "self_attn", "q_proj").reshape(b, t, hq, d), cos, sin)
+    k = rope_fwd(proj(h1, "self_attn", "k_proj").reshape(b, t, hkv, d), cos, sin)
+    v = proj(h1, "self_attn", "v_proj").reshape(b, t, hkv, d)
+    if attn != "xla":
+        o = _cudnn_attention(q, k, v, attention_mask, attn)
+    elif lse is None:
+        o, lse = attention_fwd(q, k, v, attention_mask)
+    else:
+        o = attention_out_from_lse(q, k, v, lse, attention_mask).astype(dt)
+    o2 = o.reshape(b, t, hq * d)
+    x2 = x + proj(o2, "self_attn", "o_proj")
+    if r2 is None:
+        r2 = rms_norm_rstd(x2, cfg.rms_norm_eps)
+    h2 = rms_norm_apply(x2, params["post_attention_layernorm"]["weight"], r2)
+    e, u = proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj")
+    m = swiglu_reference(e, u)
+    act.update(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o2, x2=x2, h2=h2, e=e, u=u, m=m, lse=lse, r2=r2)
+    return act, proj
+
+
+def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key):
+    return _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key)[0]
+
+
+_block = jax.custom_vjp(_block_impl, nondiff_argnums=(0, 1, 2))
+
+
+def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key):
+    r1 = rms_norm_rstd(x, cfg.rms_norm_eps)
+    act, proj = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, None)
+    y = act["x2"] + proj(act["m"], "mlp", "down_proj")
+    # saved: inputs + fp32 row statistics r1, r2 [B, T] + fp32 lse [B, Hkv, G, T]; everything else is recomputed
+    return y, (params, lora, x, positions, attention_mask, dropout_key, r1, act["r2"], act["lse"])
+
+
+def _block_bwd(cfg, lcfg, attn, res, dy):
+    params, lora, x, positions, attention_mask, dropout_key, r1, r2, lse = res
+    dt = x.dtype
+    cdt = jnp.promote_types(dt, jnp.float32)  # gradient sums stay in fp32 (f64 for f64) until the end
+    b, t, _ = x.shape
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    s = 0.0 if lcfg is None else lcfg.scale
+    act, _ = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2)
+    grads = {}
+
+    def proj_bwd(h, g, n, dout):
+        """LoRA linear backward: dh = dY W + s m (G A), dA = s G^T drop(h), dB = s dY^T U."""
+        a, bb = _adapter(lora, lcfg, g, n)
+        w = base_weight(params[g][n]["weight"], dt)  # NF4: re-dequantised here, never saved
+        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, cdt)
+        if a is not None:
+            grads.setdefault(g, {})[n] = {"lora_A": da, "lora_B": db}
+        return dh
+
+    dy = dy.astype(cdt)
+    # residual 2: y = x2 + down(m)  ->  dx2 starts as dy
+    dm = proj_bwd(act["m"], "mlp", "down_proj", dy)
+    # SwiGLU: de = dm u silu'(e), du = dm silu(e), silu'(e) = sigma(e) (1 + e (1 - sigma(e)))
+    de, du = swiglu_bwd_math(act["e"].astype(cdt), act["u"].astype(cdt), dm)
+    dh2 = proj_bwd(act["h2"], "mlp", "gate_proj", de) + proj_bwd(act["h2"], "mlp", "up_proj", du)
+    # post-attention RMSNorm: dx2 += r2 (g - n2 mean(g n2)), dw_post = sum dh2 n2
+    dx2_norm, dw_post = rms_norm_bwd(act["x2"], params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
+    dx2 = dy + dx2_norm
+    # residual 1: x2 = x + o_proj(attn)
+    do = proj_bwd(act["o2"], "self_attn", "o_proj", dx2).reshape(b, t, hq, d)
+    if attn != "xla":
+        _, pullback = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn),
+                              act["q"], act["k"], act["v"])
+        dqr, dkr, dv = pullback(do.astype(dt))
+    else:
+        # dS = P (dP - rowsum(P dP)), dQ = c dS K, dK = c sum_g dS^T Q, dV = sum_g P^T dO
+        dqr, dkr, dv = attention_bwd(act["q"], act["k"], act["v"], lse, do, attention_mask)
+    # RoPE inverse: dq = dq^ cos - rotate_half(dq^ sin)
+    dq = rope_bwd_x(dqr.astype(cdt), act["cos"], act["sin"]).reshape(b, t, hq * d)
+    dk = rope_bwd_x(dkr.astype(cdt), act["cos"], act["sin"]).reshape(b, t, hkv * d)
+    dv = dv.astype(cdt).reshape(b, t, hkv * d)
+    h1 = act["h1"]
+    dh1 = (proj_bwd(h1, "self_attn", "q_proj", dq) + proj_bwd(h1, "self_attn", "k_proj", dk)
+           + proj_bwd(h1, "self_attn", "v_proj", dv))
+    dx1, dw_in = rms_norm_bwd(x, params["input_layernorm"]["weight"], r1, dh1, cdt)
+    dx = (dx2 + dx1).astype(dt)  # both residual sums
+    dparams = {k: None for k in params}  # frozen projection weights: zero cotangent (stop_gradient semantics)
+    dparams["input_layernorm"] = {"weight": dw_in}
+    dparams["post_attention_layernorm"] = {"weight": dw_post}
+    dlora = jax.tree.map(lambda _: None, lora)
+    for g, mods in grads.items():
+        for n, ab in mods.items():
+            dlora[g][n] = ab
+    return dparams, dlora, dx, None, None, None
+
+
+_block.defvjp(_block_fwd, _block_bwd)
+
+
+def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, positions=None, attention_mask=None,
+          dropout_key=None, *, backend: str = "xla", attention: str = "xla"):
+    """One Llama decoder block with LoRA, forward; its VJP is hand-written (see the module docstring).
+
+    Args:
+      params: HF names and layouts, ``{"self_attn": {"q_proj": {"weight": [out, in]}, ...}, "mlp": {...},
+        "input_layernorm": {"weight": [H]}, "post_attention_layernorm": {"weight": [H]}}``; projection weights are
+        frozen arrays or NF4 weights (zero cotangent); the norm weights get gradients.
+      lora: ``{"self_attn": {"q_proj": {"lora_A": [r, in], "lora_B": [out, r]}, ...}, "mlp": {...}}`` for the
+        targeted modules only (``{}`` or ``None`` without LoRA).
+      x: ``[batch, seq, hidden]`` (bf16, f32 or f64).
+      cfg, lcfg: :class:`LlamaConfig`, :class:`LoraConfig` (``None``: no LoRA).
+      positions: ``[seq]`` or ``[batch, seq]`` integer positions (default ``arange(seq)``).
+      attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding).
+      dropout_key: PRNG key for ``lcfg.lora_dropout`` (no dropout without one); each module folds in its index.
+      backend: ``"xla"`` (the custom VJP) or ``"reference"`` (:func:`block_reference`, for ``jax.grad``).
+      attention: ``"xla"`` (our attention VJP) or ``"cudnn"`` (``jax.nn.dot_product_attention``, GPU only).
+    """
+    lora = {} if lora is None else lora
+    validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
+    if backend not in ("xla", "reference"):
+        raise ValueError(f"block: 'backend' must be 'xla' or 'reference', got {backend!r}")
+    if attention not in ("xla", "cudnn"):
+        raise ValueError(f"block: 'attention' must be 'xla' or 'cudnn', got {attention!r}")
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError("block: attention='cudnn' needs a GPU (jax.default_backend() is "
+                         f"{jax.default_backend()!r}); use attention='xla'")
+    if backend == "reference":
+        return block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key)
+    return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key)
+
+
+def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
+                implementation="xla"):
+    """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation
+    (tests run it with ``"xla"`` on the CPU)."""
+    lora = {} if lora is None else lora
+    validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
+    return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key)

@@ -1,0 +1,205 @@
+r"""A Llama causal LM with LoRA: embedding, N decoder blocks, final RMSNorm, LM head, and the token loss.
+
+Parameters (Hugging Face names under ``model.``): ``{"embed_tokens": {"weight": [V, H]}, "layers": [block params,
+...], "norm": {"weight": [H]}, "lm_head": {"weight": [V, H]}}`` (no ``lm_head`` when ``tie_word_embeddings``:
+the head is the embedding). Adapters: ``{"layers": [block adapters, ...]}`` (:mod:`jaxgrad.lora.peft` reads and
+writes this layout).
+
+Loss over a gradient-accumulation window of micro-batches :math:`k` with token losses :math:`\ell_{ki}` (labels
+``-100`` ignored, HF's shift: logits at ``t`` predict the label at ``t + 1``):
+
+.. math::
+
+    L = \frac{1}{n_\mathrm{items}} \sum_k \sum_{i \in k} \ell_{ki}, \qquad
+    n_\mathrm{items} = \#\{\text{non-ignored labels in the whole window}\}
+
+Each micro-batch contributes ``sum_i l_ki / n_items`` (:func:`causal_lm_loss` with ``n_items`` from
+:func:`count_items` over the window); the sum of their gradients is exactly the full-batch gradient. Averaging
+per-micro-batch means, :math:`\frac1K \sum_k \frac{1}{n_k} \sum_i \ell_{ki}`, weights tokens of short micro-batches
+more (the bug fixed by transformers #34191); nothing here computes it.
+
+Gradient checkpointing: ``cfg.gradient_checkpointing`` wraps every block in ``jax.checkpoint`` with that policy
+(``"none"``: no wrapping; ``"full"``: save nothing inside a block; else a ``jax.checkpoint_policies`` name).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgrad.lora.block import block, block_reference
+from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
+from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
+
+__all__ = ["IGNORE_INDEX", "apply", "causal_lm_loss", "count_items", "init", "init_lora", "loss_fn",
+           "token_losses"]
+
+IGNORE_INDEX = -100
+
+
+def _proj_shapes(cfg: LlamaConfig):
+    d, hq, hkv, hid, inter = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, \
+        cfg.intermediate_size
+    return {("self_attn", "q_proj"): (hq * d, hid), ("self_attn", "k_proj"): (hkv * d, hid),
+            ("self_attn", "v_proj"): (hkv * d, hid), ("self_attn", "o_proj"): (hid, hq * d),
+            ("mlp", "gate_proj"): (inter, hid), ("mlp", "up_proj"): (inter, hid), ("mlp", "down_proj"): (hid, inter)}
+
+
+def init(key: jax.Array, cfg: LlamaConfig, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random base parameters (HF's ``initializer_range`` normal init, norms at 1)."""
+    n_proj = len(PROJECTIONS)
+    keys = jax.random.split(key, 2 + cfg.num_hidden_layers * n_proj)
+    shapes = _proj_shapes(cfg)
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layer = {"self_attn": {}, "mlp": {}}
+        for j, (g, n) in enumerate(PROJECTIONS):
+            layer[g][n] = {"weight": (std * jax.random.normal(keys[2 + i * n_proj + j], shapes[(g, n)])).astype(dtype)}
+        layer["input_layernorm"] = {"weight": jnp.ones((cfg.hidden_size,), dtype)}
+        layer["post_attention_layernorm"] = {"weight": jnp.ones((cfg.hidden_size,), dtype)}
+        layers.append(layer)
+    params = {"embed_tokens": {"weight": (std * jax.random.normal(keys[0], (cfg.vocab_size, cfg.hidden_size)))
+                               .astype(dtype)},
+              "layers": layers, "norm": {"weight": jnp.ones((cfg.hidden_size,), dtype)}}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"weight": (std * jax.random.normal(keys[1], (cfg.vocab_size, cfg.hidden_size)))
+                             .astype(dtype)}
+    return params
+
+
+def init_lora(key: jax.Array, cfg: LlamaConfig, lcfg: LoraConfig, dtype=jnp.float32) -> dict:
+    """Adapters for the targeted modules of every layer, with PEFT's initialisation:
+
+    * ``True``: A ~ Kaiming-uniform(a = sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0;
+    * ``"gaussian"``: A ~ N(0, (1/r)^2), B = 0;
+    * ``False``: A and B both nn.Linear-default random, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (B's fan_in is r).
+    """
+    shapes = _proj_shapes(cfg)
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        layer = {}
+        for g, n in lcfg.targets:
+            out_f, in_f = shapes[(g, n)]
+            ka, kb = jax.random.split(jax.random.fold_in(key, i * len(PROJECTIONS) + PROJECTIONS.index((g, n))))
+            if lcfg.init_lora_weights == "gaussian":
+                a = jax.random.normal(ka, (lcfg.r, in_f)) / lcfg.r
+            else:
+                bound = 1 / math.sqrt(in_f)
+                a = jax.random.uniform(ka, (lcfg.r, in_f), minval=-bound, maxval=bound)
+            if lcfg.init_lora_weights is False:
+                bound = 1 / math.sqrt(lcfg.r)
+                b = jax.random.uniform(kb, (out_f, lcfg.r), minval=-bound, maxval=bound)
+            else:
+                b = jnp.zeros((out_f, lcfg.r))
+            layer.setdefault(g, {})[n] = {"lora_A": a.astype(dtype), "lora_B": b.astype(dtype)}
+        layers.append(layer)
+    return {"layers": layers}
+
+
+def _check_model(params, lora, input_ids, cfg, lcfg):
+    if not isinstance(cfg, LlamaConfig):
+        raise TypeError(f"apply: 'cfg' must be a LlamaConfig, got {type(cfg).__name__}")
+    if np.ndim(input_ids) != 2:
+        raise ValueError(f"apply: 'input_ids' must be [batch, seq], got shape {np.shape(input_ids)}")
+    if not jnp.issubdtype(jnp.asarray(input_ids).dtype, jnp.integer):
+        raise TypeError(f"apply: 'input_ids' must be integers, got {jnp.asarray(input_ids).dtype}")
+    cfg.check_seq(np.shape(input_ids)[1])
+    if len(params.get("layers", ())) != cfg.num_hidden_layers:
+        raise ValueError(f"apply: params['layers'] has {len(params.get('layers', ()))} blocks but "
+                         f"'num_hidden_layers' is {cfg.num_hidden_layers}")
+    if ("lm_head" in params) == cfg.tie_word_embeddings:
+        raise ValueError("apply: params['lm_head'] must be absent exactly when 'tie_word_embeddings' is True")
+    if lcfg is not None and len(lora.get("layers", ())) != cfg.num_hidden_layers:
+        raise ValueError(f"apply: lora['layers'] has {len(lora.get('layers', ()))} entries, expected "
+                         f"{cfg.num_hidden_layers}")
+
+
+def _checkpointed(fn, policy: str):
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn)
+    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy))
+
+
+def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = None, *, attention_mask=None,
+          positions=None, dropout_key=None, backend: str = "xla", attention: str = "xla", dtype=None,
+          train_base: bool = False):
+    """Logits ``[batch, seq, vocab]`` (in the activation dtype) of the causal LM.
+
+    Args:
+      params, lora: see the module docstring (``lora`` may be ``None`` with ``lcfg=None``).
+      input_ids: ``[batch, seq]`` integer tokens; ``seq <= max_position_embeddings``.
+      attention_mask: optional ``[batch, seq]`` HF mask (1 = token, 0 = padding).
+      positions: ``[seq]`` or ``[batch, seq]`` (default ``arange(seq)``).
+      dropout_key: LoRA dropout key (each layer folds in its index).
+      backend: ``"xla"`` (hand-written block VJP) or ``"reference"`` (plain JAX, ``jax.grad``).
+      dtype: activation dtype (default: the embedding's).
+      train_base: with ``backend="reference"``, let gradients reach the projection weights (training a base
+        model); the custom VJP treats them as frozen.
+    """
+    lora = {"layers": [{} for _ in range(cfg.num_hidden_layers)]} if lora is None else lora
+    _check_model(params, lora, input_ids, cfg, lcfg)
+    if train_base and backend != "reference":
+        raise ValueError("apply: 'train_base' needs backend='reference' (the custom VJP freezes the projections)")
+    emb = params["embed_tokens"]["weight"]
+    dtype = emb.dtype if dtype is None else dtype
+    h = jnp.take(emb, jnp.asarray(input_ids), axis=0).astype(dtype)
+    for i, (layer, layer_lora) in enumerate(zip(params["layers"], lora["layers"], strict=True)):
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+        if backend == "reference":
+            def fn(layer, layer_lora, h, key):
+                return block_reference(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, train_base)
+        else:
+            def fn(layer, layer_lora, h, key):
+                return block(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, backend=backend,
+                             attention=attention)
+        h = _checkpointed(fn, cfg.gradient_checkpointing)(layer, layer_lora, h, key)
+    norm = rms_norm_reference if backend == "reference" else rms_norm
+    h = norm(h, params["norm"]["weight"].astype(dtype), cfg.rms_norm_eps)
+    head = emb if cfg.tie_word_embeddings else params["lm_head"]["weight"]
+    return jnp.einsum("bth,vh->btv", h, head.astype(dtype),
+                      preferred_element_type=jnp.promote_types(dtype, jnp.float32)).astype(dtype)
+
+
+def token_losses(logits, labels, ignore_index: int = IGNORE_INDEX):
+    """``(losses [batch, seq-1], valid)``: fp32 (f64 for f64) cross-entropy of ``logits[:, t]`` against
+    ``labels[:, t + 1]`` (HF's shift), 0 where the label is ``ignore_index``."""
+    if logits.shape[:2] != np.shape(labels):
+        raise ValueError(f"causal_lm_loss: 'labels' must be [batch, seq] = {logits.shape[:2]}, got {np.shape(labels)}")
+    cdt = jnp.promote_types(logits.dtype, jnp.float32)
+    z = logits[:, :-1].astype(cdt)
+    target = jnp.asarray(labels)[:, 1:]
+    valid = target != ignore_index
+    safe = jnp.where(valid, target, 0)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, safe[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, lse - picked, 0.0), valid
+
+
+def count_items(labels_window, ignore_index: int = IGNORE_INDEX) -> int:
+    """Non-ignored (shifted) labels over a whole gradient-accumulation window: a list of ``[batch, seq]`` label
+    arrays (one per micro-batch), or one array. Counted on the host, before the window is run."""
+    if not isinstance(labels_window, (list, tuple)):
+        labels_window = [labels_window]
+    return int(sum(int(np.sum(np.asarray(lab)[:, 1:] != ignore_index)) for lab in labels_window))
+
+
+def causal_lm_loss(logits, labels, n_items, ignore_index: int = IGNORE_INDEX):
+    """``sum of this micro-batch's token losses / n_items``, ``n_items`` counted over the whole window
+    (:func:`count_items`). Summing this over the window's micro-batches gives the full-batch mean loss, and
+    summing their gradients the full-batch gradient."""
+    if isinstance(n_items, (int, np.integer)) and n_items <= 0:
+        raise ValueError(f"causal_lm_loss: 'n_items' must be > 0 (the non-ignored labels of the window), got "
+                         f"{n_items}")
+    losses, _ = token_losses(logits, labels, ignore_index)
+    return jnp.sum(losses) / n_items
+
+
+def loss_fn(lora, params, input_ids, labels, n_items, cfg: LlamaConfig, lcfg: LoraConfig | None, **apply_kwargs):
+    """The training objective of one micro-batch (LoRA first, for ``jax.grad``)."""
+    logits = apply(params, lora, input_ids, cfg, lcfg, **apply_kwargs)
+    return causal_lm_loss(logits, labels, n_items)
