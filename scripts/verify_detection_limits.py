@@ -142,7 +142,8 @@ def main(argv=None) -> int:
         lines = [f"# device: {env['device_kind']} ({env['platform']}), {env['datetime_utc']}; jax {env['jax']}, "
                  f"python {env['python']}",
                  f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: {env['command']}",
-                 f"# K = {a.replicas} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per leaf; 'caught' = "
+                 f"# computed on the CPU (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')}, {a.jobs} worker processes); "
+                 f"K = {a.replicas} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per leaf; 'caught' = "
                  f"caught in all {a.trials} trials; precisions other than the platform's are emulated "
                  "(reduce_precision on operands, f32 accumulation)",
                  f"{'op':10s} {'prec':5s} {'entries':>8s} {'kinks':5s} {'limit':>8s} {'confined1%@10sd':>15s} "

@@ -108,16 +108,23 @@ def main(argv=None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     cfgs = [draw(i, a.seed, a.mode) for i in range(a.n)]
     t0 = time.time()
-    if a.jobs > 1:
-        with cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            results = list(ex.map(_worker, [(c, a.mode) for c in cfgs]))
-    else:
-        results = [_worker((c, a.mode)) for c in cfgs]
-    fails = [r for r in results if not r["passed"]]
-    for r in results:
+    results = []
+
+    def show(r):  # printed as each run finishes, so a run cut short still shows what it judged
+        results.append(r)
         print(f"{r['i']:4d} {r['op']:10s} {r['precision']:13s} size {r['size']:8d} cancel {int(r['cancel'])} "
               f"-> {'pass' if r['passed'] else 'FALSE ALARM'} as {r.get('judged_as')} ({r.get('seconds')} s)"
               + (f" {r['error']}" if "error" in r else ""), flush=True)
+
+    if a.jobs > 1:
+        with cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            for fut in cf.as_completed([ex.submit(_worker, (c, a.mode)) for c in cfgs]):
+                show(fut.result())
+    else:
+        for c in cfgs:
+            show(_worker((c, a.mode)))
+    results.sort(key=lambda r: r["i"])
+    fails = [r for r in results if not r["passed"]]
     n = len(results)
     # one-sided 95% upper bound on the false-alarm rate after k alarms in n runs (exact for k = 0: 1 - 0.05^(1/n))
     upper = 1 - 0.05 ** (1 / n) if not fails else None

@@ -20,17 +20,20 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
    tensor core's adder tree); a TF32 conversion that truncates instead of rounding (about :math:`-1.4 u_p` per
    product) is above it and is reported.
 3. **Entries.** :math:`z_i^2 = e_i^2 / (\rho^2 v_i)` with the per-entry variance
-   :math:`v_i = \overline{r_{ki}^2} + \kappa_i^2 + (u_{f32} g^*_i)^2` (replicas, the kink jump
-   :math:`\kappa_i` where a rounded comparison may flip, and one f32 rounding of the result);
+   :math:`v_i = \overline{r_{ki}^2} + \kappa_i^2 + u_{f32}^2 (g_i^{*2} + \mathrm{rms}(g^*)^2/16)` (replicas, the
+   kink jump :math:`\kappa_i` where a rounded comparison may flip, and one f32 rounding of the result and of a
+   quarter of the leaf's RMS, for entries every replica computed exactly);
    :math:`e_i^2/\overline{r_{ki}^2}` is :math:`F(1, K)`, so the largest fails above
    :math:`F^{-1}_{1-\alpha/n}(1, K)` (Bonferroni over the ``n`` entries).
 4. **Slices.** For every axis of a leaf with two or more axes, and every index along it (a row, a column, a
    channel, a border): :math:`T = \sum_{i \in S} z_i^2`. With independent entries it is a sum of ``n_S``
    :math:`F(1, K)` terms; but the entries of a slice share rounded operands (a row of ``x^T g`` shares the rounding
    of one ``x`` column), so the null distribution is matched to the replicas' own slice sums (each replica judged
-   with the variance of the other ``K - 1``): a scaled :math:`\chi^2` with their mean and variance. It fails above
-   the :math:`1 - \alpha / n_{\text{slices}}` quantile of that, or of the independent-entry sum (bulk
-   :math:`\chi^2` and the heavy tail of one large term), whichever is larger. An
+   with the variance of the other ``K - 1``): a scaled :math:`\chi^2` with their mean and variance over the axis,
+   and, since slices differ (a peaked softmax row is one correlated unit, a flat one many), each slice against its
+   own K replica sums, :math:`T / \bar T_k \sim F(d_S, K d_S)` with :math:`d_S` from their spread. It fails above
+   the largest of these :math:`1 - \alpha / n_{\text{slices}}` quantiles and that of the independent-entry sum
+   (bulk :math:`\chi^2` and the heavy tail of one large term). An
    error confined to a border row, a stale column or a ragged last block stands out here even when the leaf's
    norm hides it.
 
@@ -114,10 +117,13 @@ class LeafStatistics:
 
 def entry_variance(replicas: np.ndarray, g_ref: np.ndarray, kink: np.ndarray | None = None) -> np.ndarray:
     """v_i: the modelled rounding variance of every entry -- the replicas' mean square, the kink jump squared (one
-    standard deviation where a rounded comparison may flip) and one f32 rounding of the result itself (so an entry
-    that every replica happened to compute exactly is not judged against zero)."""
+    standard deviation where a rounded comparison may flip) and one f32 rounding of the result itself and of a quarter
+    of the leaf's RMS (so an entry that every replica computed exactly, an exact zero say, is not judged against
+    zero)."""
     r = np.asarray(replicas, np.float64)
-    v = np.mean(r * r, axis=0) + (2.0**-24 * np.asarray(g_ref, np.float64)) ** 2
+    g = np.asarray(g_ref, np.float64)
+    # one f32 rounding of the result, and of a quarter of the leaf's RMS (an exactly-zero entry, e.g. a masked row)
+    v = np.mean(r * r, axis=0) + (2.0**-24 * g) ** 2 + (2.0**-26 * float(np.sqrt(np.mean(g * g)) if g.size else 0)) ** 2
     if kink is not None:
         v = v + np.asarray(kink, np.float64) ** 2
     return np.maximum(v, 1e-300)
@@ -224,15 +230,22 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: n
     for ax in axes:
         length = e.shape[ax]
         t = np.sum(np.moveaxis(z2, ax, 0).reshape(length, -1), axis=1)
-        t_rep = np.sum(np.moveaxis(z2_rep, ax + 1, 1).reshape(k, length, -1), axis=2).ravel()
+        t_rep = np.sum(np.moveaxis(z2_rep, ax + 1, 1).reshape(k, length, -1), axis=2)  # [K, length]
+        p_slice = a4 / n_slices
+        lim = np.full(length, _sum_of_f_quantile(n // length, k, p_slice))
         mean_t, var_t = float(np.mean(t_rep)), float(np.var(t_rep))
-        lim = _sum_of_f_quantile(n // length, k, a4 / n_slices)
-        if var_t > 0 and mean_t > 0:  # scaled chi-square matched to the replicas' slice sums
+        if var_t > 0 and mean_t > 0:  # scaled chi-square matched to all the replicas' slice sums of this axis
             dof_t = max(2 * mean_t * mean_t / var_t, 0.5)
-            lim = max(lim, var_t / (2 * mean_t) * float(sps.chi2.isf(a4 / n_slices, dof_t)))
-        j = int(np.argmax(t))
-        if t[j] / lim > slice_ratio:
-            slice_ratio, slice_where = float(t[j] / lim), f"axis {ax} index {j} of {length}"
+            lim = np.maximum(lim, var_t / (2 * mean_t) * float(sps.chi2.isf(p_slice, dof_t)))
+        # slices differ (a peaked softmax row is one correlated unit, a flat one many): each slice also against its
+        # own replicas, T / mean_k T_k ~ F(d_S, K d_S) with d_S from their spread
+        m_s, v_s = np.mean(t_rep, axis=0), np.var(t_rep, axis=0, ddof=1)
+        d_s = np.clip(2 * m_s * m_s / np.maximum(v_s, 1e-300), 1.0, n // length)
+        lim = np.maximum(lim, m_s * sps.f.isf(p_slice, d_s, k * d_s))
+        ratio_s = t / lim
+        j = int(np.argmax(ratio_s))
+        if ratio_s[j] > slice_ratio:
+            slice_ratio, slice_where = float(ratio_s[j]), f"axis {ax} index {j} of {length}"
 
     failed = tuple(name for name, bad in (
         ("norm", norm_ratio > norm_limit), ("scale", abs(beta) > beta_limit), ("entry", entry_z > entry_limit),
