@@ -71,9 +71,12 @@ def _dense(precision):
 
     def bwd(res, g):
         x, w = res
-        # dW accumulated in two halves of the batch (another summation order than the reference's)
+        # dW accumulated in two halves of the batch (another summation order than the reference's), in f32 as a
+        # tensor core accumulates: partial sums stored in bf16 cancel catastrophically, and the verifier flags that
         h = x.shape[0] // 2
-        dw = jnp.dot(r(x[:h]).T, r(g[:h]), precision=_HI) + jnp.dot(r(x[h:]).T, r(g[h:]), precision=_HI)
+        f32 = jnp.float32
+        dw = (jnp.dot(r(x[:h]).T, r(g[:h]), precision=_HI, preferred_element_type=f32)
+              + jnp.dot(r(x[h:]).T, r(g[h:]), precision=_HI, preferred_element_type=f32)).astype(w.dtype)
         return jnp.dot(r(g), r(w).T, precision=_HI), dw, jnp.sum(r(g), axis=0)
 
     f.defvjp(fwd, bwd)

@@ -39,7 +39,8 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
 
 :math:`\rho`, how much more ``fn`` rounds than the emulated reference, is estimated robustly from the median of
 :math:`e_{\perp i}^2 / v_i` (the error orthogonal to ``g*``, so a scale bug does not inflate the spread that judges
-it; the median, so a bug confined to a few entries does not either) and used as :math:`\max(1, \rho)` in 2-4;
+it; the median, so a bug confined to a few entries does not either) and used as :math:`\min(\max(1, \rho), c)` in 2-4
+(beyond ``c`` the normwise test fails anyway);
 test 1 bounds it. :math:`\alpha` is split evenly over the four tests of a leaf (``FALSE_ALARM_RATE`` per leaf).
 """
 
@@ -183,7 +184,7 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: n
     e_orth = e - (float(np.vdot(e.ravel(), g.ravel())) / gg) * g if gg > 0 else e
     med_f = float(sps.f.median(1, k))
     rho = math.sqrt(float(np.median(e_orth * e_orth / v)) / med_f) if e.size else 0.0
-    rho_s = max(1.0, rho)
+    rho_s = min(max(1.0, rho), factor)  # the model allows fn up to `factor` times the rounding, never less than 1x
 
     # 1. normwise, orthogonal to g*
     e_perp = _perp(e.ravel(), g.ravel(), gg)
