@@ -156,6 +156,19 @@ def test_kan_linear_with_declared_order_accepts_the_right_grid_and_checks_the_or
         kan_linear(params, x, spline_order=2)
 
 
+def test_the_nnx_layer_declares_its_order_so_a_missing_knot_is_an_error():
+    from flax import nnx
+
+    from jaxgrad.kan.nnx import KANLinear
+
+    layer = KANLinear(3, 2, rngs=nnx.Rngs(0), grid_size=5, spline_order=3)
+    x = jnp.full((4, 3), 0.3)
+    assert layer(x).shape == (4, 2)
+    layer.grid.value = layer.grid[...][:, 1:]  # one knot fewer: the shapes alone would read spline order 2
+    with pytest.raises(ValueError, match="'grid' has 11 knots per row, but spline_order=3"):
+        layer(x)
+
+
 # ------------------------------------------------------------------------------------------ conv2d
 @pytest.mark.parametrize("backend", ["xla", "pallas", "reference"])
 def test_conv2d_rejects_mixed_x_and_w_dtypes(backend):

@@ -47,6 +47,7 @@ class KANLinear(nnx.Module):
                  scale_base: float = 1.0, scale_spline: float = 1.0, grid_eps: float = 0.02, bias: bool = False,
                  dtype=jnp.float32, backend: str = "xla", precision=None, interpret: bool | None = None,
                  params: Mapping[str, jax.Array] | None = None):
+        params_given = params is not None
         if params is None:
             if rngs is None:
                 raise TypeError("KANLinear: pass 'rngs' (nnx.Rngs) to initialise, or use KANLinear.from_params")
@@ -63,6 +64,9 @@ class KANLinear(nnx.Module):
             raise ValueError(f"KANLinear: backend must be 'xla', 'pallas' or 'reference', got {backend!r}")
         self.in_features, self.out_features = in_features, out_features
         self.backend, self.precision, self.interpret = backend, precision, interpret
+        # the declared order, checked against the grid on every call (a grid missing a knot would otherwise read as a
+        # valid layer of order k - 1); None when wrapping given params, whose order follows from their shapes
+        self.spline_order = int(spline_order) if params_given is False else None
         self.base_weight = nnx.Param(params["base_weight"])
         self.spline_weight = nnx.Param(params["spline_weight"])
         self.spline_scaler = nnx.Param(params["spline_scaler"])
@@ -85,7 +89,7 @@ class KANLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return kan_linear(self.to_params(), x, backend=self.backend, precision=self.precision,
-                          interpret=self.interpret)
+                          interpret=self.interpret, spline_order=self.spline_order)
 
 
 class KAN(nnx.Module):
