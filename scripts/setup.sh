@@ -20,6 +20,19 @@ find_python() {
   return 1
 }
 
+# On a machine whose nvidia-smi lists a GPU, also install JAX's CUDA build (the [cuda] extra: jax[cuda13] at the
+# pinned version), as JAX users do; JAXGRAD_CUDA=0 skips it, JAXGRAD_CUDA=1 forces it.
+extras="dev"
+if [ "${JAXGRAD_CUDA:-auto}" = "1" ] || { [ "${JAXGRAD_CUDA:-auto}" = "auto" ] && command -v nvidia-smi >/dev/null 2>&1 \
+     && nvidia-smi -L 2>/dev/null | grep -q "^GPU "; }; then
+  extras="dev,cuda"
+  echo "setup: a GPU is present (nvidia-smi): installing the [cuda] extra (jax[cuda13]); JAXGRAD_CUDA=0 skips it"
+fi
+if [ -n "${JAXGRAD_SETUP_DRY_RUN:-}" ]; then  # for tests: say what would be installed, change nothing
+  echo "setup: would install: pip install -e .[$extras]"
+  exit 0
+fi
+
 if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
   PY="$(find_python)" || { echo "setup: no Python >= 3.12 found (tried PATH, pyenv, /usr/local/bin); set JAXGRAD_PYTHON=/path/to/python3.12" >&2; exit 1; }
   echo "setup: creating .venv with $PY ($("$PY" --version))"
@@ -27,5 +40,5 @@ if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import jax, jaxgrad; print('setup: jax', jax.__version__, 'on', jax.default_backend(), '| jaxgrad', jaxgrad.__version__)"
