@@ -227,7 +227,8 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: n
     n_slices = sum(e.shape[ax] for ax in axes)
     if axes:
         extra = v - np.mean(r * r, axis=0)  # kink and floor terms
-        z2_rep = np.stack([r[j] ** 2 / ((np.sum(r * r, axis=0) - r[j] ** 2) / (k - 1) + extra) for j in range(k)])
+        z2_rep = np.stack([r[j] ** 2 / np.maximum((np.sum(r * r, axis=0) - r[j] ** 2) / (k - 1) + extra, 1e-300)
+                           for j in range(k)])
     for ax in axes:
         length = e.shape[ax]
         t = np.sum(np.moveaxis(z2, ax, 0).reshape(length, -1), axis=1)
