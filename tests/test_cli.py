@@ -43,7 +43,7 @@ TINY_CNN = ["--set", "data.n=32", "--set", "data.size=16", "--set", "data.n_eval
             "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "data.n_examples=2"]
 
 
-@pytest.mark.parametrize("family", ["kan", "cnn"])
+@pytest.mark.parametrize("family", ["kan", "cnn", "lora"])
 def test_example_configs_resolve(family):
     from jaxgrad.train.families import family_module
 

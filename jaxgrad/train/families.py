@@ -2,15 +2,13 @@
 ``[data]`` keys), ``CLI_TRAIN_DEFAULTS``, ``CLI_FIXED`` (keys that may not change on ``--resume``),
 ``CLI_OUTPUTS`` (extra files it writes into the run directory), ``needs_x64(cfg)`` and
 ``cli_task(cfg, out, say) -> (Task, finish)``.
-
-The LoRA family joins by adding ``"lora": "jaxgrad.lora.task"`` here once that module provides the same names.
 """
 
 from __future__ import annotations
 
 import importlib
 
-FAMILIES = {"kan": "jaxgrad.kan.task", "cnn": "jaxgrad.cnn.task"}
+FAMILIES = {"kan": "jaxgrad.kan.task", "cnn": "jaxgrad.cnn.task", "lora": "jaxgrad.lora.task"}
 
 
 def family_module(name: str):
