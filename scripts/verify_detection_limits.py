@@ -41,8 +41,8 @@ MAX_SIZE = {"attention": 65536}  # 1e6 entries of dQ means a 8192 x 8192 score m
 def judge(err, s_values, precision, rng):
     """(caught per scale, false alarm, confined caught) for one trial."""
     e0, g = err.error, err.gradient
-    base = leaf_statistics(e0, err.replicas, err.oracle, err.magnitude, precision, err.kink)
-    caught = [not leaf_statistics(e0 + s * g, err.replicas, err.oracle, err.magnitude, precision, err.kink).passed
+    base = leaf_statistics(e0, err.replicas, err.oracle, precision, err.kink)
+    caught = [not leaf_statistics(e0 + s * g, err.replicas, err.oracle, precision, err.kink).passed
               for s in s_values]
     # an error confined to the last 1% of the entries (a ragged last block / border), 10 modelled sigma each
     flat = e0.reshape(-1).copy()
@@ -50,7 +50,7 @@ def judge(err, s_values, precision, rng):
     v = entry_variance(err.replicas, err.oracle, err.kink).reshape(-1)
     sign = np.sign(rng.standard_normal(n_bad))
     flat[-n_bad:] += 10.0 * np.sqrt(v[-n_bad:]) * sign
-    confined = not leaf_statistics(flat.reshape(e0.shape), err.replicas, err.oracle, err.magnitude, precision,
+    confined = not leaf_statistics(flat.reshape(e0.shape), err.replicas, err.oracle, precision,
                                    err.kink).passed
     return caught, not base.passed, confined
 

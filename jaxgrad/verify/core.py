@@ -363,8 +363,8 @@ def check_vjp(
                          "gradients are judged per entry only")
             results = [(p, model_p, None, kinks, mk, [])]
             break
-        fwd_stats = [leaf_statistics(y - r, s, r, m, p, kinks[j]) for j, (y, r, m, s) in
-                     enumerate(zip(y_lo, ref_y, m_y, samples.errors[:n_out]))]
+        fwd_stats = [leaf_statistics(y - r, s, r, p, kinks[j]) for j, (y, r, s) in
+                     enumerate(zip(y_lo, ref_y, samples.errors[:n_out]))]
         ratio = max((st.norm_ratio for st in fwd_stats), default=1.0)
         tried.append(f"{p}: " + (f"agrees, error {ratio:.2g}x its rounding" if all(st.passed for st in fwd_stats)
                                  else "; ".join(st.failure_text() for st in fwd_stats if not st.passed)))
@@ -409,7 +409,7 @@ def check_vjp(
             st, rel_model = None, None
             if samples is not None:
                 r_i = samples.errors[n_out + i]
-                st = leaf_statistics(g_lo[i] - ref_g[i], r_i, ref_g[i], m_g[i], p, kinks[n_out + i])
+                st = leaf_statistics(g_lo[i] - ref_g[i], r_i, ref_g[i], p, kinks[n_out + i])
                 gn = float(np.linalg.norm(ref_g[i]))
                 rel_model = float(np.sqrt(np.mean(np.sum(r_i.reshape(len(r_i), -1) ** 2, axis=1)))) / gn \
                     if gn > 0 else None

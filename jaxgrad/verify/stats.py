@@ -146,7 +146,7 @@ def _sum_of_f_quantile(n: int, k: int, p_exceed: float) -> float:
     return max(bulk, tail)
 
 
-def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: np.ndarray, precision: str,
+def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, precision: str,
                     kink: np.ndarray | None = None, alpha: float = FALSE_ALARM_RATE,
                     factor: float = IMPLEMENTATION_FACTOR) -> LeafStatistics:
     """Judge one leaf's error ``e`` (shape S) against ``replicas`` (shape [K, *S]) of the modelled rounding error.
@@ -155,7 +155,6 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, m: n
       e: ``g - g*`` of the run under test, float64.
       replicas: ``r_k``, K rounding-error samples of the reference at ``precision``.
       g_ref: the float64 oracle ``g*``.
-      m: sum of |terms| of every entry (one accumulator rounding of it is the variance floor).
       precision: the hypothesis (sets the bias floor).
       kink: the absolute jump of entries fed by uncertain comparisons, or None.
     """
