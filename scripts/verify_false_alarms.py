@@ -12,7 +12,9 @@ hand-written kernel at that precision (operands rounded with ``reduce_precision`
 with ``precision="f16"``, bf16 also with bf16 arrays); ``gpu`` mode judges the reference itself as the GPU runs it
 (XLA's default TF32 dots and cuDNN convs for f32 arrays, bf16 arrays in bf16) and the package's conv2d backends.
 Every run is ``check_vjp(fn, reference, ..., float64=False)`` (the situation of a kernel with no float64 re-run),
-precision selection and both gates included. A failure of a correct VJP is a false alarm.
+precision selection and both gates included. A BUG verdict on a correct VJP is a false alarm; an UNDETERMINED verdict
+(the inputs do not determine the function at that precision: a softmax on logits of size 1/u, say) is neither a pass
+nor a false alarm, and is counted apart.
 
 Writes ``benchmarks/results/verify-false-alarms-<mode>-<device>-<stamp>.{json,txt}`` unless ``--no-write``.
 """
@@ -79,7 +81,8 @@ def run_one(cfg: dict, mode: str) -> dict:
     t0 = time.time()
     rep = check_vjp(fn, case.reference, *args, float64=False, fd=False, adjoint=False, structural=False,
                     precision=stated, seed=cfg["seed"] % 1000)
-    out = dict(cfg, op=op, passed=bool(rep.passed), judged_as=rep.precision.precision,
+    out = dict(cfg, op=op, passed=bool(rep.passed), undetermined=bool(rep.undetermined),
+               judged_as=rep.precision.precision,
                seconds=round(time.time() - t0, 2), entries=[int(np.prod(lf.shape)) for lf in rep.leaves],
                kinks=any("kinks:" in n for n in rep.notes), platform=jax.default_backend())
     if not rep.passed:
@@ -113,7 +116,8 @@ def main(argv=None) -> int:
     def show(r):  # printed as each run finishes, so a run cut short still shows what it judged
         results.append(r)
         print(f"{r['i']:4d} {r['op']:10s} {r['precision']:13s} size {r['size']:8d} cancel {int(r['cancel'])} "
-              f"-> {'pass' if r['passed'] else 'FALSE ALARM'} as {r.get('judged_as')} ({r.get('seconds')} s)"
+              f"-> {'pass' if r['passed'] else 'undetermined' if r.get('undetermined') else 'FALSE ALARM'} as "
+              f"{r.get('judged_as')} ({r.get('seconds')} s)"
               + (f" {r['error']}" if "error" in r else ""), flush=True)
 
     if a.jobs > 1:
@@ -124,13 +128,14 @@ def main(argv=None) -> int:
         for c in cfgs:
             show(_worker((c, a.mode)))
     results.sort(key=lambda r: r["i"])
-    fails = [r for r in results if not r["passed"]]
+    fails = [r for r in results if not r["passed"] and not r.get("undetermined")]
+    undetermined = [r for r in results if r.get("undetermined")]
     n = len(results)
     # one-sided 95% upper bound on the false-alarm rate after k alarms in n runs (exact for k = 0: 1 - 0.05^(1/n))
     upper = 1 - 0.05 ** (1 / n) if not fails else None
-    summary = {"mode": a.mode, "runs": n, "false_alarms": len(fails), "seconds": round(time.time() - t0, 1),
-               "rate_upper_95": upper}
-    print(f"{len(fails)} false alarms in {n} correct low-precision VJPs"
+    summary = {"mode": a.mode, "runs": n, "false_alarms": len(fails), "undetermined": len(undetermined),
+               "seconds": round(time.time() - t0, 1), "rate_upper_95": upper}
+    print(f"{len(fails)} false alarms in {n} correct low-precision VJPs ({len(undetermined)} undetermined)"
           + (f"; false-alarm rate per run < {upper:.2%} (95% confidence)" if upper is not None else ""))
     if not a.no_write:
         from jaxgrad.benchmarking import _jsonable, device_slug, environment
@@ -146,17 +151,19 @@ def main(argv=None) -> int:
         by = {}
         for r in results:
             key = (r["op"], r["precision"])
-            by.setdefault(key, [0, 0])
+            by.setdefault(key, [0, 0, 0])
             by[key][0] += 1
-            by[key][1] += not r["passed"]
+            by[key][1] += not r["passed"] and not r.get("undetermined")
+            by[key][2] += bool(r.get("undetermined"))
         lines = [f"# device: {env['device_kind']} ({env['platform']}), {env['datetime_utc']}; jax {env['jax']}, "
                  f"python {env['python']}",
                  f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: {env['command']}",
                  f"# mode {a.mode}: {n} correct low-precision VJPs judged by check_vjp(float64=False); model "
                  f"false-alarm rate {FALSE_ALARM_RATE:g} per leaf",
-                 f"{'op':10s} {'precision':13s} {'runs':>5s} {'false alarms':>12s}"]
-        lines += [f"{op:10s} {p:13s} {c[0]:5d} {c[1]:12d}" for (op, p), c in sorted(by.items())]
-        lines.append(f"# total: {len(fails)} false alarms in {n} runs"
+                 f"{'op':10s} {'precision':13s} {'runs':>5s} {'false alarms':>12s} {'undetermined':>12s}"]
+        lines += [f"{op:10s} {p:13s} {c[0]:5d} {c[1]:12d} {c[2]:12d}" for (op, p), c in sorted(by.items())]
+        lines.append(f"# total: {len(fails)} false alarms in {n} runs ({len(undetermined)} undetermined: the inputs do "
+                     "not determine the function at that precision; neither pass nor false alarm)"
                      + (f"; per-run false-alarm rate < {upper:.2%} at 95% confidence" if upper is not None else ""))
         stem.with_suffix(".txt").write_text("\n".join(lines) + "\n")
         print(f"wrote {stem.with_suffix('.txt')}")

@@ -201,6 +201,8 @@ def _leaf_result(name, run, g, r, m, model: prec.ErrorModel, n_terms: int, stats
         verdict, diag = (f"matches to rounding (per-entry bound exceeded, {worst / bound:.1f}x at "
                          f"{tuple(int(i) for i in np.unravel_index(int(np.argmax(ne)), ne.shape))}, but every entry "
                          "is within its modelled rounding)"), None
+    elif passed and stats_ok and stats is not None and stats.undetermined:
+        verdict, diag = f"UNDETERMINED at {model.precision}: {stats.undetermined_text()}", None
     elif passed and stats_ok:
         verdict, diag = "matches to rounding", None
     elif not passed:
@@ -216,11 +218,13 @@ def _leaf_result(name, run, g, r, m, model: prec.ErrorModel, n_terms: int, stats
         verdict = (f"BUG (statistics at {model.precision}): {stats.failure_text()}; every entry is within the "
                    f"per-entry bound ({worst:.2e} <= {bound:.1e} x sum|terms|){what}")
     worst_idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(ne)), ne.shape)) if ne.size else ()
+    undetermined = bool(passed and stats_ok and stats is not None and stats.undetermined)
     return LeafResult(name=name, run=run, shape=tuple(g.shape), rel_err=rel, max_abs_ratio=maxabs, cosine=cos,
                       normalized_err=worst, median_normalized_err=float(np.median(ne)) if ne.size else 0.0,
                       worst_index=worst_idx, bound=bound, bound_source=model.formula(), n_terms=n_terms,
-                      kappa=float(np.linalg.norm(m)) / rn if rn > 0 else math.inf, passed=passed and stats_ok,
-                      verdict=verdict, diagnosis=diag, ref_rel_err=modelled_rel, stats=stats)
+                      kappa=float(np.linalg.norm(m)) / rn if rn > 0 else math.inf, passed=passed and stats_ok and not
+                      undetermined, verdict=verdict, diagnosis=diag, ref_rel_err=modelled_rel, stats=stats,
+                      undetermined=undetermined)
 
 
 def _directional_fd(loss, args64, leaf_index, v, steps):
@@ -382,23 +386,29 @@ def check_vjp(
         if agreeing else results[0]
     p, model_p, samples, kinks, mk, fwd_stats = chosen
     forward_ok = all(st.passed for st in fwd_stats)
+    forward_undetermined = forward_ok and any(st.undetermined for st in fwd_stats)
     stated = "stated by the caller" if precision is not None else "the precision whose rounding explains the " \
                                                                     "forward best"
     source = (f"{stated} (tested: {' | '.join(tried)})" if samples is not None else stated) + \
         f"; platform default: {platform[0]}"
     model_lo = prec.ErrorModel(p, safety, source)
     fwd_detail = "; ".join(f"{st.summary()}" for st in fwd_stats) if fwd_stats else "not tested"
-    checks.append(Check("forward (as called)", forward_ok,
+    checks.append(Check("forward (as called)", forward_ok and not forward_undetermined,
                         f"{p}: {fwd_detail}" + ("" if forward_ok else
                                                 " -- fn's forward disagrees with the reference beyond the rounding "
-                                                f"of {p}: fix it first")))
+                                                f"of {p}: fix it first")
+                        + (" -- undetermined: " + "; ".join(st.undetermined_text() for st in fwd_stats
+                                                            if st.undetermined) if forward_undetermined else ""),
+                        undetermined=forward_undetermined))
     if samples is not None and samples.not_emulated:
         notes.append("operands inside " + ", ".join(sorted(samples.not_emulated)) + " were not rounded by the "
                      "precision emulation: the modelled rounding is too small there")
     if mk is not None and any(mk.kink_counts[n_out:]):
         counts = mk.kink_counts[n_out:]
-        notes.append(f"kinks: {mk.uncertain_comparisons} comparison entries ({', '.join(mags.rounded_comparisons)}) "
-                     f"have operands within {p} rounding of each other, so the run may take the other branch there; "
+        notes.append(f"kinks: {mk.uncertain_comparisons} comparison or exp entries "
+                     f"({', '.join(mags.rounded_comparisons)}) have operands within {p} rounding of each other (or an "
+                     "exp argument whose rounding moves it by a factor e or more), so the run may take the other "
+                     "branch there; "
                      "the bound of the gradient entries they feed (" + ", ".join(
                          f"{nm} {c}/{int(np.size(m))}" for nm, c, m in zip(names, counts, m_g) if c)
                      + ") adds the jump between the branches")

@@ -36,6 +36,12 @@ rounding analysis has no such term, so it is tracked separately, as an absolute 
 * :math:`K` then propagates like a first-order error: :math:`K(a \pm b) = K(a) + K(b)`,
   :math:`K(ab) = K(a)|b| + |a|K(b)` (dots and convs alike), :math:`K(f(a)) = |f'(a)|K(a)`, data movement moves it.
 
+* ``exp(a)`` leaves first order where the rounding radius of its argument, :math:`\delta = r(N) M(a) + K(a)`,
+  reaches ``EXP_SATURATION`` (8, i.e. one unit roundoff of :math:`M(a)` is 1 at the C = 8 bound): a softmax on logits
+  of size :math:`1/u`, whose rounded run picks the row's winner by its rounding. There
+  :math:`K(\exp a) = |\exp a|\,(e^{\delta} - 1)`, capped at :math:`e^{60}`: the entry is undetermined at that
+  precision, and the statistics call a leaf whose kink term is as large as the leaf undetermined, not right or wrong.
+
 A correct low-precision gradient then satisfies :math:`|\hat g - g| \le r(N) M(g) + K(g)`. The first-order
 propagation treats flips of different comparisons as independent, so where jumps cancel (two indicator bases of a
 B-spline flipping together at a knot) :math:`K` overestimates: the bound loosens at those few entries only.
@@ -78,6 +84,8 @@ _DATA_MOVEMENT = {
 _PRODUCTS = {"mul", "dot_general", "conv_general_dilated"}  # bilinear: K(ab) = K(a)|b| + |a|K(b)
 _COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
 _BOOL_LOGIC = {"and", "or", "not", "xor"}
+# exp leaves first order where r(N) M(a) + K(a) >= this (at the C = 8 bound: u M(a) >= 1, a factor e per rounding)
+EXP_SATURATION = 8.0
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
           "remat": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None}
@@ -350,7 +358,23 @@ class _Interpreter:
                                  for k, t in zip(kinks_out, k_out, strict=True)]
         except Exception:  # no JVP rule: keep |y| only, and say so
             self.approximated.add(prim)
+        if prim == "exp" and not ins[0].exact:
+            kinks_out = [self._exp_saturation(ins[0], outvals[0], kinks_out[0])]
         return [_State(o, m, n_in + 1, k, False) for o, m, k in zip(outvals, mags_out, kinks_out, strict=True)]
+
+    def _exp_saturation(self, a: _State, y, k_first_order):
+        """K of ``exp(a)`` where the argument's rounding radius reaches ``EXP_SATURATION`` (module doc)."""
+        self.rounded_comparisons.add("exp")
+        if self.kink_bound is None:
+            return k_first_order
+        delta = self.kink_bound(a.n) * (a.mag if a.mag is not None else jnp.abs(a.val))
+        if a.kink is not None:
+            delta = delta + a.kink
+        saturated = delta >= EXP_SATURATION
+        self.uncertain.append(jnp.count_nonzero(saturated))
+        jump = jnp.abs(y) * jnp.expm1(jnp.minimum(delta, 60.0))
+        base = k_first_order if k_first_order is not None else jnp.zeros_like(jump)
+        return jnp.where(saturated, jump, base)
 
 
 def magnitudes(fn: Callable[..., Any], *args: Any, kink_bound: Callable[[int], float] | None = None

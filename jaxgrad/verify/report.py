@@ -35,6 +35,7 @@ class Check:
     name: str
     passed: bool
     detail: str
+    undetermined: bool = False  # not passed, but no evidence of a bug either (stats.LeafStatistics.undetermined)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ class LeafResult:
     # The modelled rounding (as-called rows only; None for float64 rows or where the reference cannot run as called):
     ref_rel_err: float | None = None  # RMS ||r_k|| / ||g*|| of the reference emulated at the run's precision
     stats: LeafStatistics | None = None  # the statistical verdict (stats.py)
+    undetermined: bool = False  # not passed: at these inputs the run's precision does not determine the leaf
 
     @property
     def per_entry_passed(self) -> bool:
@@ -92,6 +94,8 @@ def _verdict_cell(lf: LeafResult) -> str:
         return "matches to rounding"
     if not lf.per_entry_passed:
         return f"BUG ({lf.normalized_err / lf.bound:.1e}x bound)"
+    if lf.undetermined:
+        return "UNDETERMINED (jumps)"
     return "BUG (statistics: " + ", ".join(lf.stats.failed) + ")"
 
 
@@ -119,6 +123,13 @@ class VJPReport:
     @property
     def failures(self) -> list[LeafResult]:
         return [lf for lf in self.leaves if not lf.passed]
+
+    @property
+    def undetermined(self) -> bool:
+        """Not passed, and everything that did not pass is undetermined rather than wrong: the inputs do not
+        determine the function at the precision it runs in (choose a better-conditioned point)."""
+        bad = self.failures + [c for c in self.checks if not c.passed]
+        return (not self.passed) and bool(bad) and all(x.undetermined for x in bad)
 
     def __str__(self) -> str:
         env = self.environment
@@ -156,6 +167,12 @@ class VJPReport:
             out += [f"    - {n}" for n in self.notes]
         if self.passed:
             out.append("  VERDICT: PASS -- every gradient matches the reference to rounding")
+        elif self.undetermined:
+            out.append("  VERDICT: UNDETERMINED -- at these inputs the rounding of " + self.precision.precision
+                       + " may move " + ", ".join([lf.name for lf in self.failures] + [c.name for c in self.checks
+                                                                                      if not c.passed])
+                       + " by as much as its size (branch flips, saturated softmax): nothing can be told from "
+                       "rounding here; no bug was found. Verify at better-conditioned inputs.")
         else:
             bad = [f"{lf.name} ({lf.run}{'' if not lf.per_entry_passed else ', statistics'})"
                    for lf in self.failures] + [c.name for c in self.checks if not c.passed]

@@ -11,7 +11,10 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
 1. **Normwise.** :math:`R = \|e_\perp\|^2 / \overline{\|r_{k\perp}\|^2}` (components orthogonal to ``g*``, so a
    scale error does not count twice) is :math:`F(d, Kd)`-distributed with ``d`` effective degrees of freedom
    (the participation ratio of the per-entry variances, or fewer where the replicas' norms vary more, as correlated
-   entries make them); it fails above :math:`c^2 F^{-1}_{1-\alpha}(d, Kd)`.
+   entries make them); it fails above :math:`c^2 F^{-1}_{1-\alpha}(d, Kd)`. Where a rounded comparison may flip
+   (kink jump :math:`\kappa_i`, below), ``e`` and every ``r_k`` are first shrunk by it,
+   :math:`\mathrm{sign}(e_i)\max(|e_i| - \kappa_i, 0)`: a flip the K replicas happened not to take is explained, and
+   what no flip explains is still judged.
 2. **Scale / sign bias.** :math:`\beta = \langle e, g^*\rangle / \|g^*\|^2` (a gradient ``(1+s) g*`` gives
    ``beta = s``). Its rounding spread :math:`\sigma_\beta` is the larger of the replicas' RMS ``beta_k`` (which
    sees correlated errors) and :math:`\sqrt{\sum_i v_i g_i^{*2}} / \|g^*\|^2` (independent entries), times
@@ -42,6 +45,12 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
 it; the median, so a bug confined to a few entries does not either) and used as :math:`\min(\max(1, \rho), c)` in 2-4
 (beyond ``c`` the normwise test fails anyway);
 test 1 bounds it. :math:`\alpha` is split evenly over the four tests of a leaf (``FALSE_ALARM_RATE`` per leaf).
+
+**Undetermined leaves.** The model is first order. Where the jumps the rounding may cause are as large as the leaf
+itself (:math:`\|\kappa\| \ge \|g^*\|`: many flips, or a softmax on logits so large that its rounded run picks
+each row's winner by rounding), the value is not determined by the inputs at that precision and the Gaussian model
+does not hold: such a leaf is reported *undetermined* (neither right nor wrong) with the four tests still shown.
+A leaf whose terms merely cancel is not undetermined: its rounding is first order, however large against the leaf.
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ FALSE_ALARM_RATE = 1e-4  # per leaf, under the model: split evenly over the four
 # c: a correct kernel may round more than the reference run at its precision (fused vs separate casts, blocking,
 # bf16 intermediates): correct VJPs of the planted catalogue measured <= 2.1x their reference (CPU, f32 and bf16).
 IMPLEMENTATION_FACTOR = 4.0
+# A leaf whose possible jumps (||K||) reach its own norm is undetermined.
+UNDETERMINED_SPREAD = 1.0
 _UNIT = {"f64": 2.0**-53, "f32": 2.0**-24, "tf32": 2.0**-11, "f16": 2.0**-11, "bf16": 2.0**-8}
 
 
@@ -88,16 +99,32 @@ class LeafStatistics:
     slice_ratio: float  # largest T / its limit (> 1 fails)
     slice_where: str  # "axis 0 index 12" of the worst slice
     failed: tuple[str, ...]
+    # ||K|| / ||g*||: the branch flips and saturated exps the rounding may cause, relative to the leaf
+    kink_spread: float = 0.0
 
     @property
     def passed(self) -> bool:
         return not self.failed
 
+    @property
+    def undetermined(self) -> bool:
+        """The jumps the rounding may cause (branch flips, a saturated softmax row) are as large as the leaf itself:
+        at this point and precision the value is not determined by the inputs, and the first-order model behind the
+        four tests does not hold, so no error smaller than the value can be told from rounding. Such a leaf is neither
+        right nor wrong; the tests are still run and reported. (A leaf whose terms merely cancel is judged: its
+        rounding is first order, however large against the leaf.)"""
+        return self.kink_spread >= UNDETERMINED_SPREAD
+
     def summary(self) -> str:
         return (f"rho {self.rho:.2g}; norm {self.norm_ratio:.2g} (limit {self.norm_limit:.2g}); scale "
                 f"{self.beta:+.2e} (limit {self.beta_limit:.1e} = max(t*{self.beta_sigma:.1e}, u_p/8)); entry "
                 f"|z| {self.entry_z:.1f} (limit {self.entry_limit:.1f}); worst slice {self.slice_ratio:.2g} of its "
-                f"limit ({self.slice_where})")
+                f"limit ({self.slice_where})" + (f"; jumps ||K|| {self.kink_spread:.2g}x ||g*||"
+                                                  if self.kink_spread > 0 else ""))
+
+    def undetermined_text(self) -> str:
+        return (f"the jumps its rounding may cause (branch flips, saturated exps) are {self.kink_spread:.2g}x the "
+                "leaf itself: at these inputs it is not determined at this precision")
 
     def failure_text(self) -> str:
         what = {
@@ -146,6 +173,12 @@ def _sum_of_f_quantile(n: int, k: int, p_exceed: float) -> float:
     return max(bulk, tail)
 
 
+def _shrink(x: np.ndarray, kink: np.ndarray) -> np.ndarray:
+    """sign(x) max(|x| - K, 0): the error left once a possible branch flip of size K is allowed for."""
+    kk = np.asarray(kink, np.float64)
+    return np.sign(x) * np.maximum(np.abs(x) - kk, 0.0)
+
+
 def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, precision: str,
                     kink: np.ndarray | None = None, alpha: float = FALSE_ALARM_RATE,
                     factor: float = IMPLEMENTATION_FACTOR) -> LeafStatistics:
@@ -185,9 +218,15 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
     rho = math.sqrt(float(np.median(e_orth * e_orth / v)) / med_f) if e.size else 0.0
     rho_s = min(max(1.0, rho), factor)  # the model allows fn up to `factor` times the rounding, never less than 1x
 
-    # 1. normwise, orthogonal to g*
-    e_perp = _perp(e.ravel(), g.ravel(), gg)
-    r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r])
+    kink_sq = float(np.sum(np.asarray(kink, np.float64) ** 2)) if kink is not None else 0.0
+    kink_spread = math.sqrt(kink_sq / gg) if gg > 0 else (0.0 if kink_sq == 0 else math.inf)
+
+    # 1. normwise, orthogonal to g*. Where a rounded comparison may flip, the part of an entry's error up to its jump K
+    # is what a flip can explain (the 16 replicas may not have had that flip): it is taken out of e and of the
+    # replicas alike (soft threshold), so the norm judges what no flip explains.
+    e_n, r_n = (e, r) if kink is None else (_shrink(e, kink), _shrink(r, kink))
+    e_perp = _perp(e_n.ravel(), g.ravel(), gg)
+    r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r_n])
     den = float(np.mean(np.sum(r_perp * r_perp, axis=1))) + float(np.sum(v)) * 1e-300
     num = float(np.vdot(e_perp, e_perp))
     dof = float(np.sum(v) ** 2 / np.sum(v * v)) if np.sum(v * v) > 0 else 1.0  # independent entries
@@ -254,4 +293,4 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
     return LeafStatistics(n=int(e.size), replicas=k, alpha=alpha, rho=rho, norm_ratio=norm_ratio,
                           norm_limit=norm_limit, dof=dof, beta=beta, beta_sigma=beta_sigma, beta_limit=beta_limit,
                           entry_z=entry_z, entry_limit=entry_limit, entry_index=entry_index,
-                          slice_ratio=slice_ratio, slice_where=slice_where, failed=failed)
+                          slice_ratio=slice_ratio, slice_where=slice_where, failed=failed, kink_spread=kink_spread)
