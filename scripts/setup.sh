@@ -39,6 +39,17 @@ if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
   rm -rf .venv
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+# pip, quiet, minus two kinds of noise that say nothing about this project (anything else, errors included, shows):
+# * "WARNING: Location 'file:///.../simple/<name>/' is ignored: it is neither a file nor a directory." -- once per
+#   package, on machines whose pip configuration lists a local file:// index that lacks that package;
+# * setuptools' "Editable installation ... be careful with folders in your working directory with the same name as
+#   your package ..." -- a ten-line BuildBackendWarning that pip relays from the build backend on every
+#   `pip install -e`; silenced with PYTHONWARNINGS, which pip hands on to the build backend.
+# pip's exit status is kept (pipefail): a failed install stops the set-up.
+pip_quiet() {
+  PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip "$@" 2>&1 \
+    | { grep -v -E "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" || true; }
+}
+pip_quiet install -q --upgrade pip
+pip_quiet install -q -e ".[$extras]"
 .venv/bin/python -c "import jax, jaxgrad; print('setup: jax', jax.__version__, 'on', jax.default_backend(), '| jaxgrad', jaxgrad.__version__)"

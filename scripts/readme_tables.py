@@ -1,0 +1,402 @@
+#!/usr/bin/env python
+"""Regenerate every figure table of README.md and docs/*.md from the committed result files.
+
+    python scripts/readme_tables.py            # rewrite the tables in place
+    python scripts/readme_tables.py --check    # exit 1 (and show the diff) if any table is stale
+
+A table lives between two marker comments in a markdown file, e.g.::
+
+    <!-- table:bench begin -->
+    ... generated, never edited by hand ...
+    <!-- table:bench end -->
+
+Tables (``TABLES``):
+
+* ``bench``: per benchmark suite (``scripts/bench.py``: ``benchmarks/results/<suite>-<device>-<stamp>.json``) and
+  device, the latest result file of each matmul-precision setting (``default``, ``highest``), merged into one
+  table: the variants as rows, each (dtype, precision) as a column, for the suite's first problem size (the
+  headline one of ``scripts/bench.py``); cells are median milliseconds and the speedup over ``jax.grad`` of the
+  plain-JAX reference measured in the same run; the last rows are the fastest jaxgrad variant's speedup over
+  PyTorch (when measured) and the floor (``max(flops / peak FLOP/s, bytes / HBM B/s)``).
+* ``bench-full``: the same result files, every problem size, one row per variant with p10-p90, floor, achieved
+  fraction and memory.
+* ``detection``: the latest ``verify-detection-*.json`` (``scripts/verify_detection_limits.py``): the smallest
+  planted scale error caught in all trials, per op, leaf size and precision.
+* ``kan-fit``: the latest ``kan_fit_*.json`` (``scripts/kan_fit.py``): train / test RMSE per grid, ours and pykan's.
+
+``bench.SUITE`` and ``bench-full.SUITE`` (e.g. ``<!-- table:bench.kan begin -->``) show one suite.
+
+"Latest" is the environment's ``datetime_utc`` (the file name's stamp where it is missing). Only the standard library
+is used, so the check runs anywhere (``tests/test_readme_tables.py`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Callable, Iterable
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+# What each suite times (scripts/bench.py), for the caption. Unknown suites are named as they are.
+SUITE_TITLES = {
+    "kan": "KAN: one `kan_linear` layer, forward + backward",
+    "cnn": "CNN: the seed denoiser (1 -> 16 -> 16 -> 1 channels, 3x3 convs, ReLU), forward + backward",
+    "swiglu": "swiglu: `silu(gate) * up`, forward + backward",
+    "lora": "LoRA: the Llama block, forward + backward",
+}
+SUITE_ORDER = ("kan", "cnn", "lora", "swiglu")
+# The detection sweep's ops (jaxgrad.verify.calibration) and the leaf that carries the planted error.
+DETECTION_OPS = {"dense": "dense (W)", "conv_relu": "conv3x3+ReLU (x)", "attention": "softmax attention (q)",
+                 "long_sum": "long sum (W)"}
+DETECTION_PRECISIONS = (("f32", "f32"), ("tf32", "TF32"), ("f16", "f16"), ("bf16", "bf16"))
+
+MARKER = re.compile(r"(<!-- table:(?P<name>[\w.-]+) begin -->\n)(?P<body>.*?)(<!-- table:(?P=name) end -->)", re.S)
+
+
+# ------------------------------------------------------------------------------------------------ formatting
+def fmt3(x: float) -> str:
+    """Three significant digits, trailing zeros kept: 2.40, 11.7, 0.534, 104."""
+    s = f"{x:#.3g}"
+    return s[:-1] if s.endswith(".") else s
+
+
+def fmt_sci(x: float | None) -> str:
+    """1.65e-2 (RMSE style)."""
+    if x is None:
+        return "-"
+    m, e = f"{x:.2e}".split("e")
+    return f"{m}e{int(e)}"
+
+
+def fmt_sizes(sizes: dict) -> str:
+    return " ".join(f"{k}={'x'.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in sizes.items())
+
+
+# Links are written relative to the markdown file being rendered (README.md at the root, docs/*.md one level down).
+_BASE = [ROOT]
+
+
+def _rel(path: pathlib.Path) -> str:
+    return pathlib.Path(os.path.relpath(path.resolve(), _BASE[0].resolve())).as_posix()
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _stamp(path: pathlib.Path, env: dict) -> str:
+    if env.get("datetime_utc"):
+        return env["datetime_utc"]
+    m = re.search(r"(\d{8})-?(\d{6})?", path.stem)
+    return m.group(0) if m else ""
+
+
+def load_bench(results: pathlib.Path) -> list[dict]:
+    """Every scripts/bench.py result file: {path, env, rows, suite, device, precision, stamp}."""
+    out = []
+    for path in sorted(results.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        rows = data.get("rows") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or "environment" not in data or not rows or not isinstance(rows, list) \
+                or not all(isinstance(r, dict) and {"suite", "variant", "median_ms"} <= r.keys() for r in rows):
+            continue
+        env = data["environment"]
+        out.append({"path": path, "env": env, "rows": rows, "suite": rows[0]["suite"],
+                    "device": env.get("device_kind") or "unknown device",
+                    "precision": (env.get("matmul_precision") or "default").split(" ")[0],
+                    "stamp": _stamp(path, env)})
+    return out
+
+
+def latest_bench(results: pathlib.Path, suite: str | None = None) -> dict[tuple[str, str], list[dict]]:
+    """(suite, device) -> the latest file of each matmul-precision setting, 'default' first (one suite if named)."""
+    best: dict[tuple[str, str, str], dict] = {}
+    for f in load_bench(results):
+        if suite is not None and f["suite"] != suite:
+            continue
+        key = (f["suite"], f["device"], f["precision"])
+        if key not in best or (f["stamp"], f["path"].name) > (best[key]["stamp"], best[key]["path"].name):
+            best[key] = f
+    order = {s: i for i, s in enumerate(SUITE_ORDER)}
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for (suite, device, precision), f in sorted(
+            best.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][0], kv[0][1],
+                                          kv[0][2] != "default", kv[0][2])):
+        groups.setdefault((suite, device), []).append(f)
+    return groups
+
+
+def _latest_json(results: pathlib.Path, pattern: str) -> tuple[pathlib.Path, dict] | None:
+    found = []
+    for path in results.glob(pattern):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        env = data.get("environment", {}) if isinstance(data, dict) else {}
+        found.append(((_stamp(path, env), path.name), path, data))
+    if not found:
+        return None
+    _, path, data = max(found, key=lambda t: t[0])
+    return path, data
+
+
+# ------------------------------------------------------------------------------------------------ bench
+def _is_baseline(variant: str) -> bool:
+    return variant.startswith("jax.grad")
+
+
+def _is_torch(variant: str) -> bool:
+    """A PyTorch variant (PyTorch autograd, transformers + PEFT)."""
+    return any(w in variant.lower() for w in ("torch", "peft", "transformers"))
+
+
+def _not_run(row: dict) -> str:
+    notes = str(row.get("notes", ""))
+    return "failed" if notes.startswith("error") else "skipped" if notes.startswith("skipped") else "-"
+
+
+def _column_label(dtype: str, precision: str, platform: str | None) -> str:
+    if dtype == "f32" and precision == "default":
+        return "f32, TF32 (JAX default)" if platform == "gpu" else "f32 (default)"
+    if dtype == "f32" and precision == "highest":
+        return "f32, exact (highest)"
+    return dtype if precision == "default" else f"{dtype} ({precision})"
+
+
+def _groups(rows: list[dict]) -> list[tuple[str, str, list[dict]]]:
+    """(sizes, dtype, rows) in order of first appearance."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        out.setdefault((fmt_sizes(r["sizes"]), r["dtype"]), []).append(r)
+    return [(s, d, rs) for (s, d), rs in out.items()]
+
+
+def _speed_cell(row: dict, base: dict | None, fastest: bool) -> str:
+    ms = row.get("median_ms")
+    if ms is None:
+        return _not_run(row)
+    cell = fmt3(ms)
+    if fastest:
+        cell = f"**{cell}**"
+    if base is not None and base is not row and base.get("median_ms"):
+        cell += f" ({fmt3(base['median_ms'] / ms)}x)"
+    return cell
+
+
+def _date(f: dict) -> str:
+    return str(f["env"].get("datetime_utc", f["stamp"]))[:10]
+
+
+def table_bench(results: pathlib.Path, suite: str | None = None) -> list[str]:
+    groups = latest_bench(results, suite)
+    if not groups:
+        return ["(no benchmark results in `" + _rel(results) + "`)"]
+    lines = ["Median milliseconds per forward + backward step, and in brackets the speedup over `jax.grad` of the "
+             "plain-JAX reference in the same run (**bold**: fastest). Floor: `max(flops / peak FLOP/s, bytes / HBM "
+             "B/s)` of the device. `failed` / `skipped`: the variant did not run (why: the result file's notes).", ""]
+    for (suite, device), files in groups.items():
+        cols = []  # (label, file, rows of the first size with this dtype)
+        headline = None
+        for f in files:
+            grouped = _groups(f["rows"])
+            if headline is None:
+                headline = grouped[0][0]
+            for sizes, dtype, rows in grouped:
+                if sizes == headline:
+                    cols.append((_column_label(dtype, f["precision"], f["env"].get("platform")), f, rows))
+        variants: list[str] = []
+        for _, _, rows in cols:
+            variants += [r["variant"] for r in rows if r["variant"] not in variants]
+        variants.sort(key=lambda v: (_is_torch(v), _is_baseline(v), v))  # ours, then jax.grad, then PyTorch
+        body = []
+        for v in variants:
+            cells = [f"`{v}`" if not _is_torch(v) else v]
+            for _, _, rows in cols:
+                row = next((r for r in rows if r["variant"] == v), None)
+                base = next((r for r in rows if _is_baseline(r["variant"])), None)
+                timed = [r["median_ms"] for r in rows if r.get("median_ms")]
+                cells.append("-" if row is None else
+                             _speed_cell(row, base, bool(timed) and row.get("median_ms") == min(timed)))
+            body.append(cells)
+        if any(_is_torch(v) for v in variants):
+            cells = ["fastest jaxgrad vs PyTorch"]
+            for _, _, rows in cols:
+                torch = next((r for r in rows if _is_torch(r["variant"]) and r.get("median_ms")), None)
+                ours = [r for r in rows if not _is_torch(r["variant"]) and not _is_baseline(r["variant"])
+                        and r.get("median_ms")]
+                best = min(ours, key=lambda r: r["median_ms"]) if ours else None
+                cells.append(f"{fmt3(torch['median_ms'] / best['median_ms'])}x (`{best['variant']}`)"
+                             if torch and best else "-")
+            body.append(cells)
+        floors = []
+        for _, _, rows in cols:
+            fl = next((r["floor_ms"] for r in rows if r.get("floor_ms")), None)
+            floors.append(fmt3(fl) if fl else "-")
+        body.append(["floor"] + floors)
+        sources = ", ".join(f"[`{f['path'].name}`]({_rel(f['path'])})" for f in files)
+        versions = sorted({f"jax {f['env'].get('jax')}" for f in files})
+        lines += [f"**{SUITE_TITLES.get(suite, suite)}** -- {headline}, one {device} "
+                  f"({', '.join(sorted({_date(f) for f in files}))}, {', '.join(versions)}; {sources})", ""]
+        lines += _table(["variant"] + [c[0] for c in cols], body) + [""]
+    return lines[:-1]
+
+
+def table_bench_full(results: pathlib.Path, suite: str | None = None) -> list[str]:
+    groups = latest_bench(results, suite)
+    if not groups:
+        return ["(no benchmark results in `" + _rel(results) + "`)"]
+    lines = []
+    for (suite, device), files in groups.items():
+        for f in files:
+            env = f["env"]
+            lines += [f"**{SUITE_TITLES.get(suite, suite)}** -- {device}, matmul precision {f['precision']} "
+                      f"([`{f['path'].name}`]({_rel(f['path'])}); {_date(f)}, jax {env.get('jax')}, "
+                      f"jaxlib {env.get('jaxlib')}, python {env.get('python')}"
+                      + (f", commit {str(env['commit'])[:7]}" if env.get("commit") else "") + ")", ""]
+            body = []
+            for sizes, dtype, rows in _groups(f["rows"]):
+                base = next((r for r in rows if _is_baseline(r["variant"])), None)
+                for r in rows:
+                    ms = r.get("median_ms")
+                    mib = lambda b: "-" if not b else f"{b / 2**20:.0f}"  # noqa: E731
+                    body.append([
+                        sizes, dtype, f"`{r['variant']}`" if not _is_torch(r["variant"]) else r["variant"],
+                        fmt3(ms) if ms else _not_run(r),
+                        f"{fmt3(r['p10_ms'])}-{fmt3(r['p90_ms'])}" if ms and r.get("p10_ms") else "-",
+                        f"{fmt3(base['median_ms'] / ms)}x" if ms and base and base.get("median_ms") else "-",
+                        fmt3(r["floor_ms"]) if r.get("floor_ms") else "-",
+                        f"{r['achieved_fraction']:.2f}" if r.get("achieved_fraction") else "-",
+                        mib(r.get("compiled_bytes")), mib(r.get("peak_bytes"))])
+            lines += _table(["sizes", "dtype", "variant", "median ms", "p10-p90", "vs jax.grad", "floor ms",
+                             "floor / median", "compiled MiB", "peak MiB"], body) + [""]
+    lines.append("Compiled MiB: arguments + outputs + temporaries of the variant's XLA executable; peak MiB: the "
+                 "process-wide device high-water mark when the variant had run (JAX's `peak_bytes_in_use`; "
+                 "PyTorch's `max_memory_allocated` over its timed steps), so for JAX variants an upper bound. "
+                 "Why a `failed` or `skipped` variant did not run is in the result file's `notes`.")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ detection
+def table_detection(results: pathlib.Path) -> list[str]:
+    found = _latest_json(results, "verify-detection-*.json")
+    if found is None:
+        return ["(no `verify-detection-*.json` in `" + _rel(results) + "`)"]
+    path, data = found
+    env, rows = data.get("environment", {}), data.get("rows", [])
+    cells: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["op"], r["size"]), {})[r["precision"]] = r
+    op_order = {op: i for i, op in enumerate(DETECTION_OPS)}
+    body = []
+    for (op, size), by_p in sorted(cells.items(), key=lambda kv: (op_order.get(kv[0][0], 99), kv[0][0], kv[0][1])):
+        any_row = next(iter(by_p.values()))
+        row = [DETECTION_OPS.get(op, op), str(any_row["entries"]), "yes" if any(r["kinks"] for r in by_p.values())
+               else "no"]
+        for p, _ in DETECTION_PRECISIONS:
+            r = by_p.get(p)
+            if r is None:
+                row.append("-")
+            elif r["smallest_scale_caught_in_all"] is None:
+                scales = [float(s) for s in r.get("caught_in_all", {})]
+                row.append(f"> {max(scales):g}" if scales else "not caught")
+            else:
+                row.append(f"{r['smallest_scale_caught_in_all']:g}")
+        body.append(row)
+    trials = sorted({r["trials"] for r in rows})
+    summary = data.get("summary", {})
+    commit = str(env.get("commit", "unknown"))[:7]
+    lines = [f"Smallest planted scale error `s` (a gradient `(1 + s) g`) caught in all {'/'.join(map(str, trials))} "
+             f"random trials; from [`{path.name}`]({_rel(path)}) ({str(env.get('datetime_utc', ''))[:10]}, "
+             f"commit {commit}, {summary.get('replicas', '?')} replicas, false-alarm rate "
+             f"{summary.get('model_false_alarm_rate_per_leaf', '?'):g} per leaf; computed on the CPU of the "
+             f"{env.get('device_kind', '?')} machine, TF32/f16/bf16 emulated).", ""]
+    lines += _table(["op (planted leaf)", "entries", "ReLU kinks"] + [label for _, label in DETECTION_PRECISIONS],
+                    body)
+    if "false_alarms" in summary:
+        lines += ["", f"The correct kernels of the same sweep: {summary['false_alarms']} false alarms in "
+                      f"{summary.get('correct_runs', '?')} leaves."]
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ KAN fit
+def table_kan_fit(results: pathlib.Path) -> list[str]:
+    found = _latest_json(results, "kan_fit_*.json")
+    if found is None:
+        return ["(no `kan_fit_*.json` in `" + _rel(results) + "`)"]
+    path, data = found
+    body = []
+    for r in data.get("results", []):
+        theirs = (f"{fmt_sci(r.get('pykan_train_rmse'))} / {fmt_sci(r.get('pykan_test_rmse'))}"
+                  if r.get("pykan_train_rmse") is not None else "-")
+        body.append([str(r["G"]), f"{fmt_sci(r['train_rmse'])} / {fmt_sci(r['test_rmse'])}", theirs])
+    lines = [f"{data.get('task', 'KAN fit')}; {data.get('dtype', '')} on {data.get('device', '?')} "
+             f"({data.get('machine', '')}), seed {data.get('seed', '?')}, jax {data.get('jax', '?')}; "
+             f"[`{path.name}`]({_rel(path)}).", ""]
+    return lines + _table(["G", "ours: train / test RMSE", "pykan: train / test RMSE"], body)
+
+
+# A marker's name is a table, optionally with one argument after a dot: ``bench.kan`` is the bench table of the kan
+# suite alone.
+TABLES: dict[str, Callable[..., list[str]]] = {
+    "bench": table_bench, "bench-full": table_bench_full, "detection": table_detection, "kan-fit": table_kan_fit}
+
+
+# ------------------------------------------------------------------------------------------------ files
+def render(text: str, results: pathlib.Path, base: pathlib.Path = ROOT) -> str:
+    """``text`` with every marked table regenerated (unknown table names are an error); links are relative to
+    ``base``, the markdown file's directory."""
+    _BASE[0] = base
+
+    def sub(m: re.Match) -> str:
+        name, _, arg = m.group("name").partition(".")
+        if name not in TABLES:
+            raise SystemExit(f"readme_tables: unknown table {m.group('name')!r} (known: {', '.join(TABLES)}; "
+                             "bench and bench-full take a suite: bench.kan)")
+        return m.group(1) + "\n".join(TABLES[name](results, *([arg] if arg else []))) + "\n" + m.group(4)
+    return MARKER.sub(sub, text)
+
+
+def default_files(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    return [p for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))] if p.exists()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="*", type=pathlib.Path, help="markdown files (default: README.md, docs/*.md)")
+    ap.add_argument("--results", type=pathlib.Path, default=RESULTS, help="result directory")
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
+    a = ap.parse_args(argv)
+    stale = []
+    for path in a.files or default_files():
+        old = path.read_text()
+        new = render(old, a.results, path.parent)
+        if new == old:
+            continue
+        stale.append(path)
+        if a.check:
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       f"{path} (committed)", f"{path} (from the results)"))
+        else:
+            path.write_text(new)
+            print(f"readme_tables: rewrote {path}")
+    if a.check and stale:
+        print(f"readme_tables: stale tables in {', '.join(map(str, stale))}: run python scripts/readme_tables.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""scripts/readme_tables.py: the figure tables of README.md and docs/*.md are generated from the committed results,
+so a hand-edited or stale figure fails here."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "readme_tables.py"
+spec = importlib.util.spec_from_file_location("readme_tables", SCRIPT)
+rt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rt)
+
+
+def test_the_committed_tables_match_the_committed_results():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, "stale tables (run python scripts/readme_tables.py):\n" + out.stdout[-4000:] + out.stderr
+
+
+def test_the_readme_has_the_generated_tables():
+    text = (ROOT / "README.md").read_text()
+    for name in ("bench", "detection"):
+        assert f"<!-- table:{name} begin -->" in text and f"<!-- table:{name} end -->" in text
+
+
+def test_a_hand_edited_figure_fails_the_check(tmp_path):
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    begin = text.index("<!-- table:bench begin -->")
+    end = text.index("<!-- table:bench end -->")
+    row = next(line for line in text[begin:end].splitlines() if line.startswith("| `"))
+    readme.write_text(text.replace(row, row.replace(" | ", " | 9", 1), 1))  # "3.65 (1.31x)" -> "93.65 (1.31x)"
+    assert readme.read_text() != text
+    assert rt.main([str(readme), "--results", str(ROOT / "benchmarks" / "results"), "--check"]) == 1
+    assert rt.main([str(readme), "--results", str(ROOT / "benchmarks" / "results")]) == 0  # regenerates
+    assert rt.main([str(readme), "--results", str(ROOT / "benchmarks" / "results"), "--check"]) == 0
+
+
+def _bench_row(variant, dtype, ms, floor=1.0, sizes=None, notes=""):
+    return {"suite": "toy", "variant": variant, "sizes": sizes or {"n": 8}, "dtype": dtype, "precision": "default",
+            "median_ms": ms, "p10_ms": ms and ms * 0.9, "p90_ms": ms and ms * 1.1, "floor_ms": floor,
+            "achieved_fraction": ms and floor and floor / ms, "compiled_bytes": 2**20, "peak_bytes": 2 * 2**20, "notes": notes}
+
+
+def _write_bench(results, name, when, precision, rows, device="Fake GPU"):
+    env = {"device_kind": device, "platform": "gpu", "jax": "0.11.2", "jaxlib": "0.11.2", "python": "3.12.3",
+           "datetime_utc": when, "matmul_precision": precision}
+    (results / name).write_text(json.dumps({"environment": env, "rows": rows}))
+
+
+@pytest.fixture
+def fake_results(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    # an older default run, superseded by the later one
+    _write_bench(results, "toy-fake-gpu-20260101-000000.json", "2026-01-01T00:00:00+00:00",
+                 "default (TF32 for f32 dots/convs on NVIDIA GPUs)",
+                 [_bench_row("ours", "f32", 9.0), _bench_row("jax.grad(reference)", "f32", 9.0)])
+    _write_bench(results, "toy-fake-gpu-20260102-000000.json", "2026-01-02T00:00:00+00:00",
+                 "default (TF32 for f32 dots/convs on NVIDIA GPUs)",
+                 [_bench_row("ours", "f32", 2.0), _bench_row("jax.grad(reference)", "f32", 4.0),
+                  _bench_row("torch autograd", "f32", 5.0, floor=None),
+                  _bench_row("ours", "bf16", 1.0, floor=0.5), _bench_row("jax.grad(reference)", "bf16", 1.5, 0.5),
+                  _bench_row("ours", "f32", 20.0, sizes={"n": 64}),
+                  _bench_row("jax.grad(reference)", "f32", 30.0, sizes={"n": 64})])
+    _write_bench(results, "toy-fake-gpu-20260103-000000.json", "2026-01-03T00:00:00+00:00", "highest",
+                 [_bench_row("ours fast", "f32", None, notes="error: out of shared memory"),
+                  _bench_row("ours", "f32", 6.0), _bench_row("jax.grad(reference)", "f32", 3.0)])
+    det = {"environment": {"device_kind": "Fake GPU", "datetime_utc": "2026-01-04T00:00:00+00:00", "commit": "abcdef1234"},
+           "summary": {"false_alarms": 0, "correct_runs": 8, "model_false_alarm_rate_per_leaf": 1e-4, "replicas": 16},
+           "rows": [{"op": "dense", "precision": p, "size": 64, "entries": 63, "trials": 2, "kinks": False,
+                     "smallest_scale_caught_in_all": lim, "caught_in_all": {"0.001": lim is not None, "0.3": lim is not None}}
+                    for p, lim in (("f32", 1e-05), ("tf32", 0.001), ("f16", 0.001), ("bf16", None))]}
+    (results / "verify-detection-fake-gpu-20260104-000000.json").write_text(json.dumps(det))
+    (results / "notes.json").write_text("[1, 2]")  # not a result file: ignored
+    return results
+
+
+def _render(results, *names):
+    text = "\n".join(f"<!-- table:{n} begin -->\nSTALE\n<!-- table:{n} end -->" for n in names)
+    return rt.render(text, results, results.parent)
+
+
+def test_bench_table_from_a_fake_results_dir(fake_results):
+    text = _render(fake_results, "bench")
+    assert "STALE" not in text and "toy-fake-gpu-20260101" not in text  # the later default run replaced it
+    assert "toy-fake-gpu-20260102-000000.json" in text and "toy-fake-gpu-20260103-000000.json" in text
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| variant"))
+    assert header == "| variant | f32, TF32 (JAX default) | bf16 | f32, exact (highest) |"
+    row = lambda name: next(line for line in lines if line.startswith(f"| {name} |"))  # noqa: E731
+    assert row("`ours`") == "| `ours` | **2.00** (2.00x) | **1.00** (1.50x) | 6.00 (0.500x) |"
+    assert row("`ours fast`") == "| `ours fast` | - | - | failed |"
+    assert row("`jax.grad(reference)`") == "| `jax.grad(reference)` | 4.00 | 1.50 | **3.00** |"
+    assert row("torch autograd") == "| torch autograd | 5.00 (0.800x) | - | - |"
+    assert row("fastest jaxgrad vs PyTorch") == "| fastest jaxgrad vs PyTorch | 2.50x (`ours`) | - | - |"
+    assert row("floor") == "| floor | 1.00 | 0.500 | 1.00 |"
+    assert "n=64" not in text  # only the first (headline) size in the compact table
+
+
+def test_bench_full_table_has_every_size(fake_results):
+    text = _render(fake_results, "bench-full")
+    assert "| n=64 | f32 | `ours` | 20.0 | 18.0-22.0 | 1.50x | 1.00 | 0.05 | 1 | 2 |" in text
+    assert "| n=8 | f32 | `ours fast` | failed |" in text
+
+
+def test_detection_table_from_a_fake_results_dir(fake_results):
+    text = _render(fake_results, "detection")
+    assert "| dense (W) | 63 | no | 1e-05 | 0.001 | 0.001 | > 0.3 |" in text
+    assert "commit abcdef1" in text and "all 2 random trials" in text
+
+
+def test_check_mode_and_unknown_tables(fake_results, tmp_path):
+    md = tmp_path / "doc.md"
+    md.write_text("# doc\n<!-- table:detection begin -->\n<!-- table:detection end -->\n")
+    assert rt.main([str(md), "--results", str(fake_results), "--check"]) == 1
+    assert rt.main([str(md), "--results", str(fake_results)]) == 0
+    assert rt.main([str(md), "--results", str(fake_results), "--check"]) == 0
+    md.write_text(md.read_text() + "<!-- table:nonsense begin -->\n<!-- table:nonsense end -->\n")
+    with pytest.raises(SystemExit, match="unknown table 'nonsense'"):
+        rt.main([str(md), "--results", str(fake_results), "--check"])
+
+
+def test_empty_results_dir_says_so(tmp_path):
+    text = _render(tmp_path, "bench", "detection")
+    assert "no benchmark results" in text and "no `verify-detection-*.json`" in text
+
+
+def test_one_suite_tables(fake_results):
+    assert "toy-fake-gpu-20260102-000000.json" in _render(fake_results, "bench.toy")
+    assert "no benchmark results" in _render(fake_results, "bench.kan")
+    assert "toy-fake-gpu-20260103-000000.json" in _render(fake_results, "bench-full.toy")
