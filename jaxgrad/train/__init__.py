@@ -10,6 +10,11 @@ gradient over the mesh), :mod:`~jaxgrad.train.mesh`, :mod:`~jaxgrad.train.precis
 :mod:`~jaxgrad.train.loop` (:func:`fit`), :mod:`~jaxgrad.train.toml_config` (the ``jaxgrad train`` front end).
 """
 
+# Imported for its side effect, before any step is traced: JAX's first Pallas lowering imports this module and it
+# registers an option of the trace context (pallas_fuser_disable_nested_fuse), so a step traced before that import
+# (every Pallas backend: the kernels are imported inside the trace) would retrace once at its second call.
+from jax.experimental.pallas import fuser as _pallas_fuser  # noqa: F401
+
 from jaxgrad.train import rundir
 from jaxgrad.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointSaveError,
                                       NoGoodCheckpointError)
