@@ -348,7 +348,9 @@ def check_vjp(
     results = []  # (p, model, samples, kinks, kink pass, forward statistics) per hypothesis
     oracle = float64_oracle(ref_fwd_and_vjp)
     candidates = candidate_precisions(dtypes, precision)
-    for ci, p in enumerate(candidates):
+    def hypothesis(p):
+        """(p, model, samples, kinks, kink magnitudes, forward statistics) of one precision hypothesis; samples None
+        where no statistics exist (a float64 run, or a reference that cannot run at the as-called dtypes)."""
         model_p = prec.ErrorModel(p, safety, "")
         kinks = [None] * (n_out + len(names))
         mk = None
@@ -357,22 +359,29 @@ def check_vjp(
                 mk = magnitudes(ref_fwd_and_vjp, args64, ct64, kink_bound=model_p.bound)
             kinks = [np.asarray(k, np.float64) if c else None for k, c in zip(mk.kinks, mk.kink_counts)]
         if p == "f64":  # called in float64: rounding is settled by the float64 bound itself, no statistics needed
-            results = [(p, model_p, None, kinks, mk, [])]
-            break
+            return (p, model_p, None, kinks, mk, [])
         try:
             samples = sample_rounding(ref_fwd_and_vjp, args, ct_ref, p, replicas, _rng(seed, 10 + len(tried)), oracle)
         except Exception as e:  # the reference cannot run at the as-called dtypes: per-entry gate only
             notes.append(f"statistical verdict skipped: the reference at the as-called dtypes failed "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); as-called "
                          "gradients are judged per entry only")
-            results = [(p, model_p, None, kinks, mk, [])]
-            break
+            return (p, model_p, None, kinks, mk, [])
         fwd_stats = [leaf_statistics(y - r, s, r, p, kinks[j]) for j, (y, r, s) in
                      enumerate(zip(y_lo, ref_y, samples.errors[:n_out]))]
         ratio = max((st.norm_ratio for st in fwd_stats), default=1.0)
         tried.append(f"{p}: " + (f"agrees, error {ratio:.2g}x its rounding" if all(st.passed for st in fwd_stats)
                                  else "; ".join(st.failure_text() for st in fwd_stats if not st.passed)))
-        results.append((p, model_p, samples, kinks, mk, fwd_stats))
+        return (p, model_p, samples, kinks, mk, fwd_stats)
+
+    for ci, p in enumerate(candidates):
+        h = hypothesis(p)
+        if h[2] is None:
+            results = [h]
+            break
+        fwd_stats = h[5]
+        ratio = max((st.norm_ratio for st in fwd_stats), default=1.0)
+        results.append(h)
         # The next hypothesis rounds u_next/u_p times more; it can explain the forward better (in log scale) only if
         # this one's error ratio is above the geometric mean of the two: otherwise stop here.
         if all(st.passed for st in fwd_stats) and ci + 1 < len(candidates) and \
@@ -413,8 +422,8 @@ def check_vjp(
                          f"{nm} {c}/{int(np.size(m))}" for nm, c, m in zip(names, counts, m_g) if c)
                      + ") adds the jump between the branches")
 
-    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-        leaves_out: list[LeafResult] = []
+    def judge_leaves(p, model, samples, kinks) -> list[LeafResult]:
+        out = []
         for i, nm in enumerate(names):
             st, rel_model = None, None
             if samples is not None:
@@ -423,8 +432,30 @@ def check_vjp(
                 gn = float(np.linalg.norm(ref_g[i]))
                 rel_model = float(np.sqrt(np.mean(np.sum(r_i.reshape(len(r_i), -1) ** 2, axis=1)))) / gn \
                     if gn > 0 else None
-            leaves_out.append(_leaf_result(nm, p, g_lo[i], ref_g[i], m_g[i], model_lo, n_g[i], st,
-                                           kink=kinks[n_out + i], modelled_rel=rel_model))
+            out.append(_leaf_result(nm, p, g_lo[i], ref_g[i], m_g[i], model, n_g[i], st, kink=kinks[n_out + i],
+                                    modelled_rel=rel_model))
+        return out
+
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+        leaves_out: list[LeafResult] = judge_leaves(p, model_lo, samples, kinks)
+        # The forward does not fix the backward's precision: cuDNN and cuBLAS pick the algorithm of every product
+        # separately, so a conv whose forward ran exactly in f32 may take its weight gradient in TF32, the platform's
+        # default. When the forward agrees with both, the gradients decide between them: the finer one is kept
+        # unless only the platform default explains them (never a precision coarser than the platform default).
+        q = platform[0]
+        if (precision is None and samples is not None and forward_ok and any(not lf.passed for lf in leaves_out)
+                and q in candidates and prec.UNIT_ROUNDOFF[q] > prec.UNIT_ROUNDOFF[p]):
+            hq = next((r for r in results if r[0] == q), None) or hypothesis(q)
+            if hq[2] is not None and hq[5] and all(st.passed for st in hq[5]):
+                model_q = prec.ErrorModel(q, safety, source + f"; the gradients only agree with {q}, the "
+                                          f"platform default, which the forward also agrees with: judged as {q}")
+                leaves_q = judge_leaves(q, model_q, hq[2], hq[3])
+                if all(lf.passed or lf.undetermined for lf in leaves_q):
+                    p, model_p, samples, kinks, mk, fwd_stats = hq
+                    model_lo, leaves_out = model_q, leaves_q
+                    notes.append(f"the forward agrees with {chosen[0]} and {q}; the gradients only with {q} (the "
+                                 "platform's default for f32 products: the backward may run another algorithm than "
+                                 f"the forward): judged as {q}")
 
         # 3. float64 re-run
         # Run at a point whose values fill all 53 bits: bf16/f32-representable inputs make the products of a

@@ -36,11 +36,15 @@ rounding analysis has no such term, so it is tracked separately, as an absolute 
 * :math:`K` then propagates like a first-order error: :math:`K(a \pm b) = K(a) + K(b)`,
   :math:`K(ab) = K(a)|b| + |a|K(b)` (dots and convs alike), :math:`K(f(a)) = |f'(a)|K(a)`, data movement moves it.
 
-* ``exp(a)`` leaves first order where the rounding radius of its argument, :math:`\delta = r(N) M(a) + K(a)`,
-  reaches ``EXP_SATURATION`` (8, i.e. one unit roundoff of :math:`M(a)` is 1 at the C = 8 bound): a softmax on logits
-  of size :math:`1/u`, whose rounded run picks the row's winner by its rounding. There
-  :math:`K(\exp a) = |\exp a|\,(e^{\delta} - 1)`, capped at :math:`e^{60}`: the entry is undetermined at that
-  precision, and the statistics call a leaf whose kink term is as large as the leaf undetermined, not right or wrong.
+* ``exp(a)`` leaves first order where the rounding radius of its argument, :math:`\delta = r(N) L(a) + K(a)`,
+  reaches ``EXP_SATURATION`` (8, i.e. one unit roundoff of :math:`L(a)` is 1 at the C = 8 bound), with :math:`L` the
+  *local* sum of |terms| (of the last products, their operands taken as exact: the logits' own
+  :math:`\sum |q_i k_i|`; :math:`M` grows multiplicatively through normalisations and would be vacuous): a softmax on logits
+  of size :math:`1/u`, whose rounded run picks the row's winner by its rounding. There the value is known only within
+  a factor :math:`e^{\delta}`, and it is marked undetermined with :math:`K(\exp a) = |\exp a|\,e^{60}`
+  (``SATURATED_JUMP``): every entry it feeds carries a jump of that order, far beyond any comparison's (whose jump is
+  the difference of two first-order branches), and the statistics call such a leaf undetermined, not right or
+  wrong.
 
 A correct low-precision gradient then satisfies :math:`|\hat g - g| \le r(N) M(g) + K(g)`. The first-order
 propagation treats flips of different comparisons as independent, so where jumps cancel (two indicator bases of a
@@ -86,6 +90,7 @@ _COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
 _BOOL_LOGIC = {"and", "or", "not", "xor"}
 # exp leaves first order where r(N) M(a) + K(a) >= this (at the C = 8 bound: u M(a) >= 1, a factor e per rounding)
 EXP_SATURATION = 8.0
+SATURATED_JUMP = float(np.exp(60.0))  # K / |exp a| of a saturated exp: "unknown", kept finite for the propagation
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
           "remat": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None}
@@ -151,6 +156,10 @@ class _State(NamedTuple):
     n: int
     kink: Any = None
     exact: bool = False
+    # (kink mode only) the *local* sum of |terms|: of the last products, with their operands taken as exact (None:
+    # |val|). The rounding radius of an exp's argument is judged on it, not on ``mag``, which grows multiplicatively
+    # through normalisations (~1e150 over a transformer block) and would call every softmax saturated.
+    loc: Any = None
 
 
 def _zeros_like_kink(v):
@@ -308,13 +317,25 @@ class _Interpreter:
         kinks = self._kink_out(eqn.primitive, params, ins, vals, outvals)
         if kinks is None:
             kinks = [None] * len(outvals)
+        def loc_or_abs(i):
+            lc = ins[i].loc
+            return lc if lc is not None else (jnp.abs(vals[i]) if _is_float(vals[i]) else vals[i])
+
         if prim in _MULTILINEAR or prim in _NEGATING:
             ms = _bind_nonneg(eqn.primitive, params, [mag_or_abs(i) for i in range(len(ins))])
-            return [_State(o, jnp.abs(mm) if _is_float(o) else None, n_out, k, exact_out)
-                    for o, mm, k in zip(outvals, ms, kinks, strict=True)]
+            locs = [None] * len(outvals)
+            if self.kink_bound is not None:  # products restart the local terms from |operands|; sums carry them
+                ops = [jnp.abs(v) if _is_float(v) else v for v in vals] if prim in _PRODUCTS else \
+                    [loc_or_abs(i) for i in range(len(ins))]
+                locs = [jnp.abs(lc) if _is_float(o) else None
+                        for o, lc in zip(outvals, _bind_nonneg(eqn.primitive, params, ops), strict=True)]
+            return [_State(o, jnp.abs(mm) if _is_float(o) else None, n_out, k, exact_out, lc)
+                    for o, mm, k, lc in zip(outvals, ms, kinks, locs, strict=True)]
         if prim in _REDUCE_SELECT:
             (m,) = _bind_nonneg(eqn.primitive, params, [mag_or_abs(0)])
-            return [_State(outvals[0], jnp.abs(m), n_in, kinks[0], exact_out)]
+            lc = jnp.abs(_bind_nonneg(eqn.primitive, params, [loc_or_abs(0)])[0]) if self.kink_bound is not None \
+                else None
+            return [_State(outvals[0], jnp.abs(m), n_in, kinks[0], exact_out, lc)]
         if prim in _ELEMENTWISE_SELECT and len(float_ins) == len(ins) == 2:
             # max(a, b) picks one operand, and a rounded run may pick the other one: M = max(M(a), M(b)) (>= |y|;
             # the slope rule would give M = 0 to max(z, 0) at z < 0, where a TF32 z can come out positive).
@@ -367,12 +388,12 @@ class _Interpreter:
         self.rounded_comparisons.add("exp")
         if self.kink_bound is None:
             return k_first_order
-        delta = self.kink_bound(a.n) * (a.mag if a.mag is not None else jnp.abs(a.val))
+        delta = self.kink_bound(a.n) * (a.loc if a.loc is not None else jnp.abs(a.val))
         if a.kink is not None:
             delta = delta + a.kink
         saturated = delta >= EXP_SATURATION
         self.uncertain.append(jnp.count_nonzero(saturated))
-        jump = jnp.abs(y) * jnp.expm1(jnp.minimum(delta, 60.0))
+        jump = jnp.abs(y) * SATURATED_JUMP
         base = k_first_order if k_first_order is not None else jnp.zeros_like(jump)
         return jnp.where(saturated, jump, base)
 

@@ -46,10 +46,11 @@ it; the median, so a bug confined to a few entries does not either) and used as 
 (beyond ``c`` the normwise test fails anyway);
 test 1 bounds it. :math:`\alpha` is split evenly over the four tests of a leaf (``FALSE_ALARM_RATE`` per leaf).
 
-**Undetermined leaves.** The model is first order. Where the jumps the rounding may cause are as large as the leaf
-itself (:math:`\|\kappa\| \ge \|g^*\|`: many flips, or a softmax on logits so large that its rounded run picks
-each row's winner by rounding), the value is not determined by the inputs at that precision and the Gaussian model
-does not hold: such a leaf is reported *undetermined* (neither right nor wrong) with the four tests still shown.
+**Undetermined leaves.** The model is first order. Where an entry is fed by a saturated exp (a softmax on logits so
+large that its rounded run picks each row's winner by rounding: :mod:`jaxgrad.verify.magnitude` gives it a jump of
+:math:`e^{60}` times its value, so :math:`\|\kappa\| \ge e^{30}\|g^*\|`), the value is not determined by the inputs
+at that precision and the Gaussian model does not hold: such a leaf is reported *undetermined* (neither right nor
+wrong) with the four tests still shown. ReLU-type flips do not make a leaf undetermined: their jumps are judged.
 A leaf whose terms merely cancel is not undetermined: its rounding is first order, however large against the leaf.
 """
 
@@ -69,8 +70,10 @@ FALSE_ALARM_RATE = 1e-4  # per leaf, under the model: split evenly over the four
 # c: a correct kernel may round more than the reference run at its precision (fused vs separate casts, blocking,
 # bf16 intermediates): correct VJPs of the planted catalogue measured <= 2.1x their reference (CPU, f32 and bf16).
 IMPLEMENTATION_FACTOR = 4.0
-# A leaf whose possible jumps (||K||) reach its own norm is undetermined.
-UNDETERMINED_SPREAD = 1.0
+# A leaf is undetermined when its jumps ||K|| reach this multiple of its norm: only entries fed by a saturated exp
+# (K = |exp a| e^60, magnitude.SATURATED_JUMP) get there; a rounded comparison's jump is the difference of two
+# first-order branches, which the four tests model (its flips are judged, not excused).
+UNDETERMINED_SPREAD = float(np.exp(30.0))
 _UNIT = {"f64": 2.0**-53, "f32": 2.0**-24, "tf32": 2.0**-11, "f16": 2.0**-11, "bf16": 2.0**-8}
 
 
@@ -108,8 +111,8 @@ class LeafStatistics:
 
     @property
     def undetermined(self) -> bool:
-        """The jumps the rounding may cause (branch flips, a saturated softmax row) are as large as the leaf itself:
-        at this point and precision the value is not determined by the inputs, and the first-order model behind the
+        """Fed by a saturated exp (a softmax row whose winner the rounding picks; module doc): at this point and
+        precision the value is not determined by the inputs, and the first-order model behind the
         four tests does not hold, so no error smaller than the value can be told from rounding. Such a leaf is neither
         right nor wrong; the tests are still run and reported. (A leaf whose terms merely cancel is judged: its
         rounding is first order, however large against the leaf.)"""
@@ -123,8 +126,8 @@ class LeafStatistics:
                                                   if self.kink_spread > 0 else ""))
 
     def undetermined_text(self) -> str:
-        return (f"the jumps its rounding may cause (branch flips, saturated exps) are {self.kink_spread:.2g}x the "
-                "leaf itself: at these inputs it is not determined at this precision")
+        return ("it is fed by an exp whose argument's rounding moves it by a factor e or more (a softmax whose rounded "
+                "run picks each row's winner by rounding): at these inputs it is not determined at this precision")
 
     def failure_text(self) -> str:
         what = {
