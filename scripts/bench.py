@@ -2,11 +2,13 @@
 """Run one jaxgrad benchmark suite, print its table and write it to ``benchmarks/results``.
 
     python scripts/bench.py SUITE [--sizes small|full] [--out benchmarks/results] [--repeats N]
-                                  [--precision default|highest]
+                                  [--precision default|highest] [--variants SUBSTR,...] [--budget-s S]
 
 All variants of a suite are timed one after the other in this process (the GPU machines are shared and noisy, so
-only side-by-side numbers are compared). Off-GPU the Pallas kernels run in interpret mode, which is slow, so
-``--sizes`` defaults to ``small`` there and to ``full`` on a GPU.
+only side-by-side numbers are compared). The ``lora`` suite (:mod:`jaxgrad.lora.bench`) runs each variant in a
+fresh process instead, one after the other, so that each one's peak device memory is its own; ``--variants`` and
+``--budget-s`` apply to it. Off-GPU the Pallas kernels run in interpret mode, which is slow, so ``--sizes``
+defaults to ``small`` there and to ``full`` on a GPU.
 
 A suite is a function ``suite_<name>(sizes, precision, *, repeats, warmup) -> list[Row]`` registered in
 :data:`SUITES`.
@@ -360,7 +362,25 @@ def suite_cnn(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
     return rows
 
 
-SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan, "cnn": suite_cnn}
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA block (jaxgrad/lora/bench.py): each variant in a fresh process
+# ---------------------------------------------------------------------------------------------------------------
+SUITE_NOTES: dict[str, list[str]] = {}  # extra lines a suite prints with its table and writes into its results
+
+
+def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants=None,
+               budget_s=None) -> list[bm.Row]:
+    """One Llama block with LoRA on all 7 projections, fwd+bwd (LoRA grads + dx), bf16: our custom VJP (cuDNN /
+    XLA attention, NF4 base), jax.grad of the plain block (cuDNN / XLA attention), transformers + PEFT."""
+    from jaxgrad.lora.bench import suite_lora as run
+
+    rows, notes = run(sizes, precision, repeats=repeats, warmup=warmup, variants=variants, budget_s=budget_s)
+    SUITE_NOTES["lora"] = notes
+    return rows
+
+
+SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan, "cnn": suite_cnn,
+                                                  "lora": suite_lora}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,20 +396,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per variant (default: %(default)s)")
     p.add_argument("--precision", choices=["default", "highest"], default="default",
                    help="jax default matmul precision for the whole run (default: %(default)s)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated substrings: run only the variants whose name contains one (lora suite)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget of the whole suite in seconds (lora suite: variants that do not fit are "
+                        "not started)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.suite == "lora":  # its variants run in child processes: this one must not preallocate the GPU's memory
+        from jaxgrad.lora.bench import parent_setup
+
+        parent_setup()
     sizes = args.sizes or ("full" if jax.default_backend() == "gpu" else "small")
     ctx = jax.default_matmul_precision("highest") if args.precision == "highest" else contextlib.nullcontext()
+    extra = {}
+    if (args.variants or args.budget_s is not None) and args.suite != "lora":
+        raise SystemExit(f"--variants and --budget-s are only implemented for the lora suite, not {args.suite!r}")
+    if args.variants:
+        extra["variants"] = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.budget_s is not None:
+        extra["budget_s"] = args.budget_s
     with ctx:
         env = bm.environment()
-        rows = SUITES[args.suite](sizes, args.precision, repeats=args.repeats, warmup=args.warmup)
-    print(bm.format_table(rows, env), end="")
+        rows = SUITES[args.suite](sizes, args.precision, repeats=args.repeats, warmup=args.warmup, **extra)
+    notes = SUITE_NOTES.get(args.suite, [])
+    if notes:
+        env["suite_notes"] = notes
+    table = bm.format_table(rows, env) + "".join(f"# {line}\n" for line in notes)
+    print(table, end="")
     path = bm.write_results(rows, args.suite, args.out, env=env)
+    if notes:
+        path.with_suffix(".txt").write_text(table)
     print(f"wrote {path} and {path.with_suffix('.txt').name}")
-    failed = [r.variant for r in rows if r.median_ms is None]
+    skipped = [r.variant for r in rows if r.median_ms is None and r.notes.startswith("skipped")]
+    if skipped:
+        print(f"note: {len(skipped)} variant(s) skipped: {skipped}")
+    failed = [r.variant for r in rows if r.median_ms is None and not r.notes.startswith("skipped")]
     if failed:
         print(f"error: {len(failed)} variant run(s) failed: {sorted(set(failed))}", file=sys.stderr)
         return 1

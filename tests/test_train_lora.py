@@ -34,7 +34,7 @@ def runs():
     out = {}
     for path in ("custom_vjp", "reference"):
         chex.clear_trace_counter()
-        state, losses = train_in_memory(task, TrainConfig(**CFG, grad_path=path))
+        state, losses = train_in_memory(task, TrainConfig(**CFG, grad_path=path), max_traces=1)
         out[path] = (jax.device_get(state["params"]), np.array([float(x) for x in losses]))
     return task, out
 
@@ -159,3 +159,31 @@ def test_cli_qlora_fine_tunes_the_base_it_wrote(cli_base, tmp_path, capsys):
     assert _main(["train", "lora", "configs/lora.toml", *TINY, "--set", "model.mode=lora", "--set",
                   "model.hidden_size=64", "--set", f"model.base={base / 'model'}", "--out", str(tmp_path / "x")]) != 0
     assert "hidden_size" in capsys.readouterr().err
+
+
+def test_lora_dropout_trains_and_both_grad_paths_draw_the_same_masks():
+    """``lora_dropout`` > 0: the task's loss takes the engine's per-step key; given the same key the custom-VJP and
+    reference paths agree (their masks come from the same key), dropout changes the loss, evaluation has none."""
+    fit = LoraFit(mode="lora", init_lora_weights=False, n_bytes=4096, batch_size=2, num_hidden_layers=1,
+                  lora_dropout=0.3)
+    task = make_task(fit)
+    assert task.loss_takes_key and fit.lora_config().lora_dropout == 0.3
+    params = task.init(jax.random.key(3))
+    batch = next(task.batches(0))
+    key = jax.random.key(11)
+    loss = jax.jit(lambda p, b, k: task.loss(p, b, k))
+    with_key, again, without = loss(params, batch, key), loss(params, batch, key), task.loss(params, batch)
+    assert float(with_key[0]) == float(again[0])  # the same key, the same masks
+    assert abs(float(with_key[0]) - float(without[0])) > 1e-4 * abs(float(without[0]))  # dropout changes the loss
+    curves, finals = {}, {}
+    for path in ("custom_vjp", "reference"):
+        state, losses = train_in_memory(task, TrainConfig(steps=6, optimizer="adam", lr=1e-2, seed=3, grad_path=path))
+        curves[path], finals[path] = np.array([float(x) for x in losses]), jax.device_get(state["params"])
+    rel = np.abs(curves["custom_vjp"] - curves["reference"]) / np.abs(curves["reference"])
+    print(f"dropout 0.3: loss curve {curves['custom_vjp']}, max relative difference between the paths {rel.max():.1e}")
+    assert rel.max() <= 1e-5, rel
+    before, after = task.evaluate(params), task.evaluate(finals["custom_vjp"])  # no dropout in evaluation
+    assert task.evaluate(params) == before
+    assert after["heldout_loss"] < before["heldout_loss"], (before, after)  # it trains
+    with pytest.raises(ValueError, match="'lora_dropout'"):
+        LoraFit(mode="lora", lora_dropout=1.0)

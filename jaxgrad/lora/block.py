@@ -159,10 +159,11 @@ def _cos_sin(cfg, positions, b, t, dtype):
 # Plain reference (differentiated by jax.grad)
 # ---------------------------------------------------------------------------------------------------------------
 def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions=None,
-                    attention_mask=None, dropout_key=None, train_base: bool = False):
+                    attention_mask=None, dropout_key=None, train_base: bool = False, attention: str = "xla"):
     """The block in plain JAX: ``jax.grad`` of this is the oracle of :func:`block`'s VJP. Frozen projection weights
     are ``stop_gradient`` (unless ``train_base``, for training a base model from scratch); the norm weights are
-    differentiable."""
+    differentiable. ``attention="cudnn"`` (GPU; ``"sdpa:<implementation>"`` in tests) puts
+    ``jax.nn.dot_product_attention`` in place of the plain attention (what a JAX user would write; benchmarks)."""
     dt = x.dtype
     b, t, _ = x.shape
     s = 0.0 if lcfg is None else lcfg.scale
@@ -184,7 +185,8 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
     q = apply_rope_reference(proj(h1, "self_attn", "q_proj").reshape(b, t, hq, d), cos, sin)
     k = apply_rope_reference(proj(h1, "self_attn", "k_proj").reshape(b, t, hkv, d), cos, sin)
     v = proj(h1, "self_attn", "v_proj").reshape(b, t, hkv, d)
-    o = attention_reference(q, k, v, attention_mask)
+    o = attention_reference(q, k, v, attention_mask) if attention == "xla" else \
+        _cudnn_attention(q, k, v, attention_mask, attention)
     x2 = x + proj(o.reshape(b, t, hq * d), "self_attn", "o_proj")
     h2 = rms_norm_reference(x2, params["post_attention_layernorm"]["weight"], eps)
     m = swiglu_reference(proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj"))
@@ -328,7 +330,8 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding).
       dropout_key: PRNG key for ``lcfg.lora_dropout`` (no dropout without one); each module folds in its index.
       backend: ``"xla"`` (the custom VJP) or ``"reference"`` (:func:`block_reference`, for ``jax.grad``).
-      attention: ``"xla"`` (our attention VJP) or ``"cudnn"`` (``jax.nn.dot_product_attention``, GPU only).
+      attention: ``"xla"`` (our attention VJP; the plain attention for ``"reference"``) or ``"cudnn"``
+        (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``).
     """
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
@@ -340,7 +343,8 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         raise ValueError("block: attention='cudnn' needs a GPU (jax.default_backend() is "
                          f"{jax.default_backend()!r}); use attention='xla'")
     if backend == "reference":
-        return block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key)
+        return block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key,
+                               attention=attention)
     return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key)
 
 

@@ -18,6 +18,11 @@ Modes (``mode``):
   (:func:`jaxgrad.lora.hf.quantize_projections`). Those are held by the task, not in ``params`` (integer codes
   are not differentiable leaves); ``params["base"]`` keeps the float embedding, norms and head (frozen).
 
+``lora_dropout`` (LoRA modes): PEFT's dropout on each targeted module's LoRA input only (the base path sees the
+undropped input), the same mask in the forward and the backward (the block regenerates it from the key). The key
+comes from the engine's RNG stream (``Task.loss_takes_key``: a fresh key per step, micro-batch and device); both
+grad paths draw the same masks from the same key; evaluation runs without dropout.
+
 ``grad_path="custom_vjp"`` differentiates the model through the whole-block custom VJP (``backend="xla"``),
 ``"reference"`` is ``jax.grad`` of the plain reference block (``backend="reference"``), both in LoRA modes.
 
@@ -73,6 +78,7 @@ class LoraFit:
     base_seed: int = 0
     r: int = 4
     lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
     target_modules: str | tuple[str, ...] = "all-linear"
     use_rslora: bool = False
     init_lora_weights: bool | str = True
@@ -97,6 +103,9 @@ class LoraFit:
         for f in ("offset", "data_seed", "base_seed"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f, "an int >= 0")
         need(0.0 < self.held_out < 1.0, "held_out", "a fraction in (0, 1)")
+        need(isinstance(self.lora_dropout, (int, float)) and 0.0 <= self.lora_dropout < 1.0, "lora_dropout",
+             "a probability in [0, 1)")
+        need(self.mode != "full" or self.lora_dropout == 0.0, "lora_dropout", "0 in mode 'full' (no adapters)")
         if isinstance(self.target_modules, list):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
@@ -112,7 +121,8 @@ class LoraFit:
                            num_hidden_layers=self.num_hidden_layers)
 
     def lora_config(self) -> LoraConfig:
-        return LoraConfig(r=self.r, lora_alpha=self.lora_alpha, target_modules=self.target_modules,
+        return LoraConfig(r=self.r, lora_alpha=self.lora_alpha, lora_dropout=float(self.lora_dropout),
+                          target_modules=self.target_modules,
                           use_rslora=self.use_rslora, init_lora_weights=self.init_lora_weights)
 
 
@@ -231,7 +241,7 @@ def make_task(fit: LoraFit, base_params: dict | None = None) -> Task:
         def init_fn(key):
             return init(key, cfg, dtype) if start is None else start
 
-        def model(params, batch, backend):
+        def model(params, batch, backend, key=None):
             return apply(params, None, batch["input_ids"], cfg, None, backend="reference", train_base=True)
         trainable = None
     else:
@@ -245,19 +255,20 @@ def make_task(fit: LoraFit, base_params: dict | None = None) -> Task:
         def init_fn(key):
             return {"base": base, "lora": init_lora(key, cfg, lcfg, dtype)}
 
-        def model(params, batch, backend):
+        def model(params, batch, backend, key=None):
             b = params["base"] if projs is None else _join_projections(params["base"], projs)
-            return apply(b, params["lora"], batch["input_ids"], cfg, lcfg, backend=backend)
+            return apply(b, params["lora"], batch["input_ids"], cfg, lcfg, backend=backend, dropout_key=key)
         trainable = lora_mask
 
-    def loss(params, batch):
-        return _sum_and_count(model(params, batch, "xla"), batch)
+    def loss(params, batch, key=None):
+        """``key``: the LoRA dropout key (``Task.loss_takes_key`` when ``lora_dropout > 0``); None: no dropout."""
+        return _sum_and_count(model(params, batch, "xla", key), batch)
 
-    def reference_loss(params, batch):
-        return _sum_and_count(model(params, batch, "reference"), batch)
+    def reference_loss(params, batch, key=None):
+        return _sum_and_count(model(params, batch, "reference", key), batch)
 
     eval_starts = np.arange(0, len(held) - fit.seq_len + 1, fit.seq_len)
-    eval_sums = jax.jit(reference_loss)
+    eval_sums = jax.jit(lambda params, batch: reference_loss(params, batch))  # no key: no dropout
 
     def evaluate(params):
         s = n = 0.0
@@ -268,9 +279,12 @@ def make_task(fit: LoraFit, base_params: dict | None = None) -> Task:
         return {"heldout_loss": mean, "heldout_perplexity": math.exp(mean), "heldout_tokens": int(n)}
 
     what = {"full": "trained from scratch", "lora": "frozen, LoRA", "qlora": "frozen NF4, QLoRA"}[fit.mode]
-    adapters = "" if lcfg is None else f" r={lcfg.r} alpha={lcfg.lora_alpha} on {[n for _, n in lcfg.targets]}"
+    adapters = "" if lcfg is None else (f" r={lcfg.r} alpha={lcfg.lora_alpha}"
+                                        + (f" dropout={lcfg.lora_dropout}" if lcfg.lora_dropout else "")
+                                        + f" on {[n for _, n in lcfg.targets]}")
     return Task("lora", init=init_fn, loss=loss, reference_loss=reference_loss, batches=batches,
                 batches_per_epoch=nb, evaluate=evaluate, trainable=trainable,
+                loss_takes_key=lcfg is not None and lcfg.lora_dropout > 0,
                 describe=f"Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
                          f"{cfg.num_key_value_heads} heads, inter {cfg.intermediate_size}, {fit.dtype}, base {what}"
                          f"{adapters}; stdlib {fit.files!r} bytes {fit.offset}+{fit.n_bytes}: {len(train)} train / "
@@ -286,7 +300,7 @@ CLI_SCHEMA = {
               "num_attention_heads": ("int", 4), "num_key_value_heads": ("int", 2),
               "intermediate_size": ("int", 64), "rope_theta": ("float", 10000.0), "seq_len": ("int", 32),
               "dtype": ("str", "float32", ("float32", "float64", "bfloat16")), "base": ("str?", None),
-              "base_seed": ("int", 0), "r": ("int", 4), "lora_alpha": ("float", 8.0),
+              "base_seed": ("int", 0), "r": ("int", 4), "lora_alpha": ("float", 8.0), "lora_dropout": ("float", 0.0),
               "target_modules": ("strs", ["all-linear"]), "use_rslora": ("bool", False),
               "nf4_blocksize": ("int", 64), "double_quant": ("bool", False)},
     "data": {"files": ("str", "*.py"), "offset": ("int", 0), "n_bytes": ("int", 65536), "held_out": ("float", 0.1),
@@ -308,7 +322,7 @@ def fit_from_config(cfg: dict) -> LoraFit:
                    num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
                    intermediate_size=m["intermediate_size"], rope_theta=float(m["rope_theta"]), seq_len=m["seq_len"],
                    dtype=m["dtype"], base=m["base"], base_seed=m["base_seed"], r=m["r"],
-                   lora_alpha=float(m["lora_alpha"]),
+                   lora_alpha=float(m["lora_alpha"]), lora_dropout=float(m["lora_dropout"]),
                    target_modules=tm[0] if len(tm) == 1 and tm[0] == "all-linear" else tuple(tm),
                    use_rslora=m["use_rslora"], nf4_blocksize=m["nf4_blocksize"], double_quant=m["double_quant"],
                    files=d["files"], offset=d["offset"], n_bytes=d["n_bytes"], held_out=float(d["held_out"]),

@@ -96,6 +96,11 @@ def _rng0(cfg: TrainConfig):
     return jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.seed), 0x7A11))
 
 
+def _key_rng(task: Task, state: dict):
+    """The state's key data when the task's loss takes a key (accumulation), else None."""
+    return state["rng"] if task.loss_takes_key else None
+
+
 def params_at(task: Task, cfg: TrainConfig, step: int, abstract: bool = False):
     """Params as they enter step ``step`` before training: init + the transitions at steps ``< step`` (abstract:
     shapes only)."""
@@ -256,7 +261,7 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
                     n_items = len(jax.tree.leaves(batch)[0])
                 else:
                     mbs = [shard_batch(next(data)[2], mesh) for _ in range(k)]
-                    s, n, g = accumulate_window(steps, state["params"], mbs)
+                    s, n, g = accumulate_window(steps, state["params"], mbs, _key_rng(task, state))
                     state, loss, ok = steps.apply_sums(state, s, n, g)
                     n_items = n
                 step += 1
@@ -330,7 +335,8 @@ def train_in_memory(task: Task, cfg: TrainConfig, params=None, *, mesh=None, max
             state, loss, ok = steps.train_step(state, shard_batch(next(data)[2], mesh))
         else:
             s, n, g = accumulate_window(steps, state["params"],
-                                        [shard_batch(next(data)[2], mesh) for _ in range(cfg.accumulate)])
+                                        [shard_batch(next(data)[2], mesh) for _ in range(cfg.accumulate)],
+                                        _key_rng(task, state))
             state, loss, ok = steps.apply_sums(state, s, n, g)
         losses.append(loss)
         oks.append(ok)

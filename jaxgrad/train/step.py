@@ -20,6 +20,11 @@ value and gradient the line search stored in its state (``optax.value_and_grad_f
 objective in one batch.
 
 Only the leaves marked trainable (``Task.trainable``; e.g. not a KAN's ``grid``) are differentiated and updated.
+
+Randomness (``Task.loss_takes_key``, e.g. LoRA dropout): micro-batch ``j`` of the step whose state holds the engine
+key ``rng`` gets ``fold_in(split(rng)[1], j)`` (``split(rng)[0]`` is the next step's ``rng``), then each device its
+own ``fold_in(., shard index)`` (:func:`~jaxgrad.train.grads.global_sum_loss`); L-BFGS's line search reuses the step's
+key, so the objective it searches is one function. ``mean_loss`` passes no key (evaluation: no dropout).
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ def _select(ok, new, old):
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
+def step_key(rng, micro_batch=0):
+    """The loss's key data for micro-batch ``micro_batch`` of the step whose state holds ``rng`` (key data)."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.split(jax.random.wrap_key_data(rng))[1], micro_batch))
+
+
 @dataclasses.dataclass
 class Steps:
     """The compiled pieces of one configuration. ``traces`` counts how often each was traced (a retrace is a
@@ -67,7 +77,7 @@ class Steps:
 
     init_opt: Callable
     train_step: Callable          # (state, batch) -> (state, loss, finite)          [accumulate == 1]
-    grad_sums: Callable           # (params, batch) -> (S, n, G)                       [accumulate > 1]
+    grad_sums: Callable           # (params, batch[, key]) -> (S, n, G)                [accumulate > 1]
     apply_sums: Callable          # (state, S, n, G) -> (state, loss, finite)
     mean_loss: Callable           # (params, batch) -> S / n (evaluation, tests)
     traces: dict[str, int]
@@ -79,19 +89,21 @@ def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, 
     retrace beyond it raises)."""
     loss = task.loss_for(grad_path)
     mask_fn = task.trainable
+    keyed = task.loss_takes_key
     traces = {"train_step": 0, "grad_sums": 0, "apply_sums": 0}
 
-    def loss_of_split(tf, batch):
-        return loss(merge_trainable(*tf), batch)
+    def loss_of_split(tf, batch, *key):
+        return loss(merge_trainable(*tf), batch, *key)
 
-    total = global_sum_loss(loss_of_split, mesh, policy)
+    total = global_sum_loss(loss_of_split, mesh, policy, keyed=keyed)
 
     def split(params):
         return split_trainable(params, None if mask_fn is None else mask_fn(params))
 
-    def sums(params, batch):
+    def sums(params, batch, key=None):
         train, frozen = split(params)
-        (s, n), (g, _) = jax.value_and_grad(total, has_aux=True)((train, frozen), batch)
+        key = (key,) if keyed else ()
+        (s, n), (g, _) = jax.value_and_grad(total, has_aux=True)((train, frozen), batch, *key)
         return s, n, g
 
     def apply(state, loss_value, grads, value_fn=None):
@@ -111,23 +123,24 @@ def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, 
 
     def train_step(state, batch):
         traces["train_step"] += 1
+        key = step_key(state["rng"]) if keyed else None
         if lbfgs:
             train, frozen = split(state["params"])
 
             def value_fn(tr):
-                s, n = total((tr, frozen), batch)
+                s, n = total((tr, frozen), batch, *((key,) if keyed else ()))
                 return s / n.astype(s.dtype)
 
             vg = optax.value_and_grad_from_state(value_fn)
             value, grads = vg(train, state=state["opt_state"])
             return apply(state, value, grads, value_fn)
-        s, n, g = sums(state["params"], batch)
+        s, n, g = sums(state["params"], batch, key)
         n = n.astype(s.dtype)
         return apply(state, s / n, jax.tree.map(lambda a: a / n.astype(a.dtype), g))
 
-    def grad_sums(params, batch):
+    def grad_sums(params, batch, key=None):
         traces["grad_sums"] += 1
-        return sums(params, batch)
+        return sums(params, batch, key)
 
     def apply_sums(state, s, n, g):
         traces["apply_sums"] += 1
@@ -166,11 +179,12 @@ def tree_add(a: Any, b: Any) -> Any:
 tree_add_jit = jax.jit(tree_add, donate_argnums=(0,))
 
 
-def accumulate_window(steps: Steps, params, micro_batches) -> tuple[Any, Any, Any]:
-    r"""``(sum_j S_j, sum_j n_j, sum_j G_j)`` over the micro-batches (each already on the mesh)."""
+def accumulate_window(steps: Steps, params, micro_batches, rng=None) -> tuple[Any, Any, Any]:
+    r"""``(sum_j S_j, sum_j n_j, sum_j G_j)`` over the micro-batches (each already on the mesh); ``rng``: the
+    state's key data, for a task whose loss takes a key (micro-batch ``j`` gets :func:`step_key` ``(rng, j)``)."""
     acc = None
-    for mb in micro_batches:
-        s, n, g = steps.grad_sums(params, mb)
+    for j, mb in enumerate(micro_batches):
+        s, n, g = steps.grad_sums(params, mb) if rng is None else steps.grad_sums(params, mb, step_key(rng, j))
         acc = (s, n, g) if acc is None else tree_add_jit(acc, (s, n, g))
     if acc is None:
         raise ValueError("accumulate_window: no micro-batches")

@@ -48,6 +48,10 @@ class Task:
       transition_steps: the steps at which ``transition`` runs.
       trainable: ``trainable(params) -> pytree of bools`` (``optax.masked`` mask), or ``None``: every leaf.
       describe: one line for the log (model size, data).
+      loss_takes_key: ``loss`` and ``reference_loss`` are ``(params, batch, key)``: ``key`` is a PRNG key from the
+        engine's RNG stream (a fresh one per micro-batch and device, :func:`jaxgrad.train.step.step_key`), or
+        ``None`` where no randomness is wanted (evaluation). For dropout-like noise; the data order stays the
+        task's own.
     """
 
     name: str
@@ -61,6 +65,7 @@ class Task:
     transition_steps: tuple[int, ...] = ()
     trainable: Callable[[PyTree], PyTree] | None = None
     describe: str = ""
+    loss_takes_key: bool = False
 
     def __post_init__(self):
         for field in ("init", "loss", "batches"):
