@@ -1,5 +1,7 @@
 """``jaxgrad`` command line.
 
+    jaxgrad demo                  # the main job: audit, fit a KAN, train the denoiser, write jaxgrad-demo/index.html
+    jaxgrad demo --quick --out DIR [--overwrite]   # tiny sizes (tests), another report folder
     jaxgrad audit                 # audit every op of the package (check_vjp at 3 sizes + one optimizer step)
     jaxgrad audit --op swiglu     # only ops whose name contains "swiglu"
     jaxgrad audit --planted       # show the verifier catching the planted-bug catalogue (and passing the correct VJPs)
@@ -84,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxgrad", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="the main job in a few minutes: audit the gradients, fit a KAN, train the "
+                                     "denoiser, write a report folder")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (about a minute; for tests)")
+    p.add_argument("--out", default="jaxgrad-demo", metavar="DIR", help="report folder (default: jaxgrad-demo)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR (replaces only a previous "
+                                                            "demo report's files)")
     p = sub.add_parser("audit", help="verify the backward pass of jaxgrad's ops (or the planted-bug catalogue)")
     p.add_argument("--op", action="append", help="only cases whose name contains this (repeatable)")
     p.add_argument("--planted", action="store_true", help="run the planted-bug catalogue instead of the ops")
@@ -103,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="run a benchmark suite (scripts/bench.py)", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="SUITE [--sizes small|full] [--out DIR] ...")
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from jaxgrad.demo import run_demo
+
+        return run_demo(args.out, quick=args.quick, overwrite=args.overwrite)
     if args.command == "audit":
         return _audit_planted(args) if args.planted else _audit_ops(args)
     if args.command == "train":
