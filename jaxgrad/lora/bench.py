@@ -340,11 +340,11 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
         row.achieved_fraction = row.floor_ms / row.median_ms
     y, grads = step()
     names = list(lora_params)
-    lg = {n: {"lora_A": grads[1 + 2 * k].float().cpu().numpy(), "lora_B": grads[2 + 2 * k].float().cpu().numpy()}
+    lg = {n: {"lora_A": grads[1 + 2 * k].detach().float().cpu().numpy(), "lora_B": grads[2 + 2 * k].detach().float().cpu().numpy()}
           for k, n in enumerate(names)}
     row.notes = (f"fresh process; torch {torch.__version__}, transformers {transformers.__version__}, peft "
                  f"{peft.__version__}, attn sdpa (causal), adapters bf16, first call {row.compile_ms:.0f} ms; "
-                 + _norms_note(y.float().cpu().numpy(), grads[0].float().cpu().numpy(), lg))
+                 + _norms_note(y.detach().float().cpu().numpy(), grads[0].detach().float().cpu().numpy(), lg))
     return row
 
 
