@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxgrad.benchmarking import _jsonable, device_slug, environment
 from jaxgrad.verify.calibration import OPS, leaf_errors, make_case
-from jaxgrad.verify.stats import FALSE_ALARM_RATE, REPLICAS, entry_variance, leaf_statistics
+from jaxgrad.verify.stats import FALSE_ALARM_RATE, REPLICAS, entry_variance, leaf_null, leaf_statistics
 
 SCALES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3)
 SIZES = (64, 1024, 16384, 262144, 1_000_000)
@@ -45,20 +45,24 @@ def judge(err, s_values, precision, rng, lowest=0):
     earlier trial missed): the limit is the smallest scale above which every scale is caught in every trial, so the
     smaller ones cannot change it (they are returned as not caught)."""
     e0, g = err.error, err.gradient
-    base = leaf_statistics(e0, err.replicas, err.oracle, precision, err.kink)
+    null = leaf_null(err.replicas, err.oracle, precision, err.kink)  # the replica-only part, once per trial
+
+    def judged(e):
+        return leaf_statistics(e, err.replicas, err.oracle, precision, err.kink, null=null)
+
+    base = judged(e0)
     caught = [False] * len(s_values)
     for i in range(len(s_values) - 1, lowest - 1, -1):
-        caught[i] = not leaf_statistics(e0 + s_values[i] * g, err.replicas, err.oracle, precision, err.kink).passed
+        caught[i] = not judged(e0 + s_values[i] * g).passed
         if not caught[i]:
             break
     # an error confined to the last 1% of the entries (a ragged last block / border), 10 modelled sigma each
     flat = e0.reshape(-1).copy()
     n_bad = max(1, flat.size // 100)
-    v = entry_variance(err.replicas, err.oracle, err.kink).reshape(-1)
+    v = null.v.reshape(-1)
     sign = np.sign(rng.standard_normal(n_bad))
     flat[-n_bad:] += 10.0 * np.sqrt(v[-n_bad:]) * sign
-    confined = not leaf_statistics(flat.reshape(e0.shape), err.replicas, err.oracle, precision,
-                                   err.kink).passed
+    confined = not judged(flat.reshape(e0.shape)).passed
     return caught, base, confined
 
 

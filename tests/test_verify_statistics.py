@@ -229,3 +229,17 @@ def test_perturbation_moves_bf16_leaves_by_whole_ulps():
     x = jnp.linspace(1.0, 2.0, 64, dtype=jnp.bfloat16)
     y = perturb(x, "bf16", np.random.default_rng(0))
     assert y.dtype == jnp.bfloat16 and bool(jnp.any(y != x)) and bool(jnp.all(jnp.abs(y - x) <= 0.05))
+
+
+def test_a_precomputed_null_gives_the_same_verdict():
+    # leaf_null holds the replica-only part, so several errors are judged against one model without recomputing it
+    from jaxgrad.verify.stats import leaf_null
+
+    rng = np.random.default_rng(11)
+    e, r, g = _synthetic(rng, (20, 30))
+    kink = np.where(rng.random((20, 30)) < 0.05, 0.5, 0.0)
+    null = leaf_null(r, g, "bf16", kink)
+    for err in (e, e + 0.02 * g, e * 3.0):
+        a = leaf_statistics(err, r, g, "bf16", kink)
+        b = leaf_statistics(err, r, g, "bf16", kink, null=null)
+        assert a == b or a.summary() == b.summary()

@@ -62,8 +62,8 @@ import math
 import numpy as np
 from scipy import stats as sps
 
-__all__ = ["FALSE_ALARM_RATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "LeafStatistics", "bias_floor", "entry_variance",
-           "leaf_statistics"]
+__all__ = ["FALSE_ALARM_RATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "LeafNull", "LeafStatistics", "bias_floor",
+           "entry_variance", "leaf_null", "leaf_statistics"]
 
 REPLICAS = 16  # K: rounding realisations of the reference at the hypothesis precision
 FALSE_ALARM_RATE = 1e-4  # per leaf, under the model: split evenly over the four tests
@@ -182,9 +182,87 @@ def _shrink(x: np.ndarray, kink: np.ndarray) -> np.ndarray:
     return np.sign(x) * np.maximum(np.abs(x) - kk, 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class LeafNull:
+    """The part of a leaf's four tests that depends on the replicas only: variances and limits."""
+
+    v: np.ndarray  # per-entry modelled variance (entry_variance)
+    gg: float  # ||g*||^2
+    den: float  # mean ||r_k,perp||^2 (replicas shrunk by the kink jumps)
+    dof: float
+    norm_limit: float
+    beta_spread: float  # max(replicas' RMS beta_k, independent-entry spread); times rho gives sigma_beta
+    beta_t: float  # t quantile of the scale test
+    entry_limit: float
+    slice_limits: dict  # axis -> per-slice limit of sum z_i^2
+    kink_spread: float
+
+
+def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.ndarray | None = None,
+              alpha: float = FALSE_ALARM_RATE, factor: float = IMPLEMENTATION_FACTOR) -> LeafNull:
+    """The replica-only part of :func:`leaf_statistics` (module doc), computed once per leaf and model."""
+    r = np.asarray(replicas, np.float64)
+    g = np.asarray(g_ref, np.float64)
+    k = r.shape[0]
+    n = max(g.size, 1)
+    a4 = alpha / 4
+    v = entry_variance(r, g, kink)
+    gg = float(np.vdot(g, g))
+    kink_sq = float(np.sum(np.asarray(kink, np.float64) ** 2)) if kink is not None else 0.0
+    kink_spread = math.sqrt(kink_sq / gg) if gg > 0 else (0.0 if kink_sq == 0 else math.inf)
+
+    # 1. normwise. Where a rounded comparison may flip, the part of an entry's error up to its jump K is what a flip
+    # can explain (the 16 replicas may not have had that flip): it is taken out of e and of the replicas alike (soft
+    # threshold), so the norm judges what no flip explains.
+    r_n = r if kink is None else _shrink(r, kink)
+    r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r_n])
+    norms = np.sum(r_perp * r_perp, axis=1)
+    den = float(np.mean(norms)) + float(np.sum(v)) * 1e-300
+    dof = float(np.sum(v) ** 2 / np.sum(v * v)) if np.sum(v * v) > 0 else 1.0  # independent entries
+    if np.var(norms) > 0:  # correlated entries have fewer effective degrees of freedom: the replicas show how many
+        dof = min(dof, 2 * float(np.mean(norms)) ** 2 / float(np.var(norms)))
+    dof = max(1.0, min(dof, float(n)))
+    norm_limit = factor * math.sqrt(float(sps.f.isf(a4, dof, k * dof)))
+
+    # 2. scale: the replicas' RMS beta_k, or the independent-entry spread with the kink jump as one standard deviation
+    # of its entry (flips likelier at the caller's point than at the perturbed ones are not under-counted)
+    beta_spread = 0.0
+    if gg > 0:
+        beta_k = r.reshape(k, -1) @ g.ravel() / gg
+        beta_spread = max(float(np.sqrt(np.mean(beta_k * beta_k))), float(np.sqrt(np.sum(v * g * g))) / gg)
+
+    # 4. slices along every axis (leaves of two or more axes). Errors within a slice can be correlated (a rounded
+    # operand shared by a whole row of an outer product), so a slice sum is not a sum of independent F(1, K) terms:
+    # its distribution is taken from the replicas' own slice sums (each judged with the variance of the others).
+    axes = [ax for ax in range(g.ndim) if g.shape[ax] > 1] if g.ndim >= 2 else []
+    n_slices = sum(g.shape[ax] for ax in axes)
+    slice_limits = {}
+    if axes:
+        extra = v - np.mean(r * r, axis=0)  # kink and floor terms
+        z2_rep = np.stack([r[j] ** 2 / np.maximum((np.sum(r * r, axis=0) - r[j] ** 2) / (k - 1) + extra, 1e-300)
+                           for j in range(k)])
+    for ax in axes:
+        length = g.shape[ax]
+        t_rep = np.sum(np.moveaxis(z2_rep, ax + 1, 1).reshape(k, length, -1), axis=2)  # [K, length]
+        p_slice = a4 / n_slices
+        lim = np.full(length, _sum_of_f_quantile(n // length, k, p_slice))
+        mean_t, var_t = float(np.mean(t_rep)), float(np.var(t_rep))
+        if var_t > 0 and mean_t > 0:  # scaled chi-square matched to all the replicas' slice sums of this axis
+            dof_t = max(2 * mean_t * mean_t / var_t, 0.5)
+            lim = np.maximum(lim, var_t / (2 * mean_t) * float(sps.chi2.isf(p_slice, dof_t)))
+        # slices differ (a peaked softmax row is one correlated unit, a flat one many): each slice also against its
+        # own replicas, T / mean_k T_k ~ F(d_S, K d_S) with d_S from their spread
+        m_s, v_s = np.mean(t_rep, axis=0), np.var(t_rep, axis=0, ddof=1)
+        d_s = np.clip(2 * m_s * m_s / np.maximum(v_s, 1e-300), 1.0, n // length)
+        slice_limits[ax] = np.maximum(lim, m_s * sps.f.isf(p_slice, d_s, k * d_s))
+    return LeafNull(v=v, gg=gg, den=den, dof=dof, norm_limit=norm_limit, beta_spread=beta_spread,
+                    beta_t=float(sps.t.isf(a4 / 2, k)), entry_limit=math.sqrt(float(sps.f.isf(a4 / n, 1, k))),
+                    slice_limits=slice_limits, kink_spread=kink_spread)
+
+
 def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, precision: str,
                     kink: np.ndarray | None = None, alpha: float = FALSE_ALARM_RATE,
-                    factor: float = IMPLEMENTATION_FACTOR) -> LeafStatistics:
+                    factor: float = IMPLEMENTATION_FACTOR, null: LeafNull | None = None) -> LeafStatistics:
     """Judge one leaf's error ``e`` (shape S) against ``replicas`` (shape [K, *S]) of the modelled rounding error.
 
     Args:
@@ -193,6 +271,8 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
       g_ref: the float64 oracle ``g*``.
       precision: the hypothesis (sets the bias floor).
       kink: the absolute jump of entries fed by uncertain comparisons, or None.
+      null: :func:`leaf_null` of the same replicas, oracle, precision, kink, alpha and factor, to judge several
+        errors against one leaf's model without recomputing it (the replica-only part is most of the cost).
     """
     e = np.asarray(e, np.float64)
     r = np.asarray(replicas, np.float64)
@@ -211,45 +291,26 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
         return LeafStatistics(n, k, alpha, math.inf, math.inf, 0.0, 0.0, math.nan, math.inf, 0.0, math.inf, 0.0,
                               (), math.inf, f"the reference at {precision} (it overflows: non-finite values)",
                               ("slice",))
-    v = entry_variance(r, g, kink)
+    nl = null if null is not None else leaf_null(r, g, precision, kink, alpha, factor)
+    v, gg = nl.v, nl.gg
     ratio = e * e / v
-    gg = float(np.vdot(g, g))
     # rho from the error orthogonal to g* (a scale bug must not inflate the spread that judges it) and by the median
     # (a bug confined to a few entries must not either)
     e_orth = e - (float(np.vdot(e.ravel(), g.ravel())) / gg) * g if gg > 0 else e
-    med_f = float(sps.f.median(1, k))
-    rho = math.sqrt(float(np.median(e_orth * e_orth / v)) / med_f) if e.size else 0.0
+    rho = math.sqrt(float(np.median(e_orth * e_orth / v)) / float(sps.f.median(1, k))) if e.size else 0.0
     rho_s = min(max(1.0, rho), factor)  # the model allows fn up to `factor` times the rounding, never less than 1x
 
-    kink_sq = float(np.sum(np.asarray(kink, np.float64) ** 2)) if kink is not None else 0.0
-    kink_spread = math.sqrt(kink_sq / gg) if gg > 0 else (0.0 if kink_sq == 0 else math.inf)
-
-    # 1. normwise, orthogonal to g*. Where a rounded comparison may flip, the part of an entry's error up to its jump K
-    # is what a flip can explain (the 16 replicas may not have had that flip): it is taken out of e and of the
-    # replicas alike (soft threshold), so the norm judges what no flip explains.
-    e_n, r_n = (e, r) if kink is None else (_shrink(e, kink), _shrink(r, kink))
+    # 1. normwise, orthogonal to g* (e shrunk by the kink jumps like the replicas: leaf_null)
+    e_n = e if kink is None else _shrink(e, kink)
     e_perp = _perp(e_n.ravel(), g.ravel(), gg)
-    r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r_n])
-    den = float(np.mean(np.sum(r_perp * r_perp, axis=1))) + float(np.sum(v)) * 1e-300
     num = float(np.vdot(e_perp, e_perp))
-    dof = float(np.sum(v) ** 2 / np.sum(v * v)) if np.sum(v * v) > 0 else 1.0  # independent entries
-    norms = np.sum(r_perp * r_perp, axis=1)
-    if np.var(norms) > 0:  # correlated entries have fewer effective degrees of freedom: the replicas show how many
-        dof = min(dof, 2 * float(np.mean(norms)) ** 2 / float(np.var(norms)))
-    dof = max(1.0, min(dof, float(n)))
-    norm_ratio = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
-    norm_limit = factor * math.sqrt(float(sps.f.isf(a4, dof, k * dof)))
+    norm_ratio = math.sqrt(num / nl.den) if nl.den > 0 else (0.0 if num == 0 else math.inf)
 
     # 2. scale / sign bias
     if gg > 0:
         beta = float(np.vdot(e.ravel(), g.ravel())) / gg
-        beta_k = r.reshape(k, -1) @ g.ravel() / gg
-        s_rep = float(np.sqrt(np.mean(beta_k * beta_k)))
-        # with the kink jump as one standard deviation of its entry: flips that are likelier at the caller's point
-        # than at the perturbed ones (pre-activations exactly at zero) are not under-counted by the replicas
-        s_ind = float(np.sqrt(np.sum(v * g * g))) / gg
-        beta_sigma = rho_s * max(s_rep, s_ind)
-        beta_limit = max(float(sps.t.isf(a4 / 2, k)) * beta_sigma, bias_floor(precision))
+        beta_sigma = rho_s * nl.beta_spread
+        beta_limit = max(nl.beta_t * beta_sigma, bias_floor(precision))
     else:
         beta, beta_sigma, beta_limit = 0.0, 0.0, math.inf
 
@@ -257,38 +318,17 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
     z2 = ratio / (rho_s * rho_s)
     worst = int(np.argmax(z2)) if e.size else 0
     entry_z = math.sqrt(float(z2.ravel()[worst])) if e.size else 0.0
-    entry_limit = math.sqrt(float(sps.f.isf(a4 / n, 1, k)))
     entry_index = tuple(int(i) for i in np.unravel_index(worst, e.shape)) if e.size else ()
 
-    # 4. slices along every axis (leaves of two or more axes). Errors within a slice can be correlated (a rounded
-    # operand shared by a whole row of an outer product), so a slice sum is not a sum of independent F(1, K) terms:
-    # its distribution is taken from the replicas' own slice sums (each judged with the variance of the others).
+    # 4. slices along every axis, each against its limit from the replicas (leaf_null)
     slice_ratio, slice_where = 0.0, "none (a leaf of fewer than two axes)"
-    axes = [ax for ax in range(e.ndim) if e.shape[ax] > 1] if e.ndim >= 2 else []
-    n_slices = sum(e.shape[ax] for ax in axes)
-    if axes:
-        extra = v - np.mean(r * r, axis=0)  # kink and floor terms
-        z2_rep = np.stack([r[j] ** 2 / np.maximum((np.sum(r * r, axis=0) - r[j] ** 2) / (k - 1) + extra, 1e-300)
-                           for j in range(k)])
-    for ax in axes:
+    for ax, lim in nl.slice_limits.items():
         length = e.shape[ax]
-        t = np.sum(np.moveaxis(z2, ax, 0).reshape(length, -1), axis=1)
-        t_rep = np.sum(np.moveaxis(z2_rep, ax + 1, 1).reshape(k, length, -1), axis=2)  # [K, length]
-        p_slice = a4 / n_slices
-        lim = np.full(length, _sum_of_f_quantile(n // length, k, p_slice))
-        mean_t, var_t = float(np.mean(t_rep)), float(np.var(t_rep))
-        if var_t > 0 and mean_t > 0:  # scaled chi-square matched to all the replicas' slice sums of this axis
-            dof_t = max(2 * mean_t * mean_t / var_t, 0.5)
-            lim = np.maximum(lim, var_t / (2 * mean_t) * float(sps.chi2.isf(p_slice, dof_t)))
-        # slices differ (a peaked softmax row is one correlated unit, a flat one many): each slice also against its
-        # own replicas, T / mean_k T_k ~ F(d_S, K d_S) with d_S from their spread
-        m_s, v_s = np.mean(t_rep, axis=0), np.var(t_rep, axis=0, ddof=1)
-        d_s = np.clip(2 * m_s * m_s / np.maximum(v_s, 1e-300), 1.0, n // length)
-        lim = np.maximum(lim, m_s * sps.f.isf(p_slice, d_s, k * d_s))
-        ratio_s = t / lim
+        ratio_s = np.sum(np.moveaxis(z2, ax, 0).reshape(length, -1), axis=1) / lim
         j = int(np.argmax(ratio_s))
         if ratio_s[j] > slice_ratio:
             slice_ratio, slice_where = float(ratio_s[j]), f"axis {ax} index {j} of {length}"
+    norm_limit, dof, entry_limit, kink_spread = nl.norm_limit, nl.dof, nl.entry_limit, nl.kink_spread
 
     failed = tuple(name for name, bad in (
         ("norm", norm_ratio > norm_limit), ("scale", abs(beta) > beta_limit), ("entry", entry_z > entry_limit),
