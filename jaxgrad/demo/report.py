@@ -74,8 +74,8 @@ def verdicts_text(audit: AuditResult, device: dict) -> str:
             f"({device['kind']})",
             "Each table: every gradient leaf at every size; 'max err/sum|t|' is the worst entry's error divided by",
             "the sum of the magnitudes of the terms that make it, 'bound' the float32 rounding it may show. The",
-            "checks below each table are finite differences, the adjoint identity and structural tests. See the",
-            "README section 'jaxgrad.verify' for the method.", ""]
+            "checks below each table are finite differences, the adjoint identity and structural tests. See",
+            "docs/verify.md (in a source checkout) for the method.", ""]
     return "\n".join(head + [v.table + "\n" for v in audit.verdicts])
 
 
