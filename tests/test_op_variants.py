@@ -50,6 +50,21 @@ def _rmsnorm(rng, dtype=None):
             (_normal(rng, (B, T, H)), 1 + _normal(rng, (H,), 0.3)))
 
 
+def _rmsnorm_pallas(rng, dtype=None):
+    from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
+    return (functools.partial(rms_norm, eps=1e-5, backend="pallas", block_rows=8),
+            functools.partial(rms_norm_reference, eps=1e-5), (_normal(rng, (B, T, H)), 1 + _normal(rng, (H,), 0.3)))
+
+
+def _nf4_matmul(rng, dtype=None):
+    # only x is differentiated: the NF4 weight is frozen (closed over); 10 x 24 = 240 entries, a partial last block
+    from jaxgrad.lora.nf4 import nf4_quantize
+    from jaxgrad.ops.nf4_matmul import nf4_matmul, nf4_matmul_reference
+    wq = nf4_quantize(np.asarray(_normal(rng, (10, H)), np.float32))
+    return (functools.partial(nf4_matmul, w=wq, backend="pallas", block_m=16, block_n=16, block_k=16),
+            lambda x: nf4_matmul_reference(x, wq), (_normal(rng, (B, T, H)),))
+
+
 def _rope(rng, dtype=None):
     from jaxgrad.ops.rope import apply_rope, apply_rope_reference, rope_cos_sin
     pos = jnp.stack([jnp.arange(T), jnp.arange(T) + 5])
@@ -107,6 +122,8 @@ def _lora_block(rng, dtype=None):
 
 EXTRA = {
     "rms_norm": ("jaxgrad.ops.rmsnorm", _rmsnorm),
+    "rms_norm_pallas": ("jaxgrad.ops.rmsnorm", _rmsnorm_pallas),
+    "nf4_matmul_pallas": ("jaxgrad.ops.nf4_matmul", _nf4_matmul),
     "apply_rope": ("jaxgrad.ops.rope", _rope),
     "attention_padded": ("jaxgrad.ops.attention", _attention),
     "lora_linear_dropout": ("jaxgrad.ops.lora_linear", _lora_linear),
