@@ -45,18 +45,16 @@ def test_kernels_match_the_xla_path_f32(hidden):
     np.testing.assert_allclose(dw, dw0, rtol=1e-5, atol=1e-4)
 
 
-# Known verifier false alarm (reported to the lead): at hidden 100 (lanes padded to 128) the kernel's per-row rstd is
-# rounded in a different summation order from the reference's jnp.mean. Its error is the same size (see
-# test_rstd_rounds_like_the_reference), but it is shared by a whole row, and the per-slice statistic flags the row
-# at ~1.1x its limit (seeds 1 and 2; seed 5 passes). Every entry is within its bound; FD and the f64 re-run pass.
-_SLICE_ALARM = pytest.mark.xfail(reason="verifier slice statistic vs a row statistic rounded in another order",
-                                 strict=False)
-
-
-@pytest.mark.parametrize(("hidden", "dtype"), [(96, jnp.float32), (96, jnp.bfloat16), (100, jnp.bfloat16),
-                                               pytest.param(100, jnp.float32, marks=_SLICE_ALARM)])
-def test_custom_vjp_is_verified(hidden, dtype):
-    x, w, _ = _inputs((2, 77, hidden), dtype, seed=1)
+# At hidden 100 (lanes padded to 128) the kernel's per-row statistics (rstd, mean(x_hat * w * g)) are rounded in
+# another order and formula than the reference's jnp.mean: the same size overall, but the row coefficient of dx
+# measured 2.1x the reference's variance, shared by the whole row. This was a verifier false alarm (slice test at
+# 1.13-1.48x its limit, session 6); the verifier now sums its replicas in random orders and allows shared rounding up
+# to stats.SHARED_FACTOR (slice ratio 0.3-0.6 over 6 seeds).
+@pytest.mark.parametrize(("hidden", "dtype", "seed"), [(96, jnp.float32, 1), (96, jnp.bfloat16, 1),
+                                                       (100, jnp.bfloat16, 1), (100, jnp.float32, 1),
+                                                       (100, jnp.float32, 2)])
+def test_custom_vjp_is_verified(hidden, dtype, seed):
+    x, w, _ = _inputs((2, 77, hidden), dtype, seed=seed)
     rep = assert_vjp_matches(_pallas(), _ref, x, w, arg_names=("x", "weight"))
     assert rep.passed
 

@@ -61,7 +61,45 @@ def _round_operand(x, fmt: tuple[int, int] | None):
     return lax.reduce_precision(x, exponent_bits=e, mantissa_bits=m)
 
 
-def _eval(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fmt, loops: set[str]) -> list[Any]:
+def _permute(x, axis: int, key):
+    """``x`` with its ``axis`` in a random order (the same ``key`` gives the same order)."""
+    return jnp.take(x, jax.random.permutation(key, x.shape[axis]), axis=axis)
+
+
+def _reorder(prim: str, ins: list, params: dict, key) -> list:
+    """The operands of a sum in a random summation order: the exact result is unchanged, its rounding re-drawn.
+
+    A reduction's rounding depends on the order its terms meet, and a kernel sums in its own (a tree over padded
+    lanes, split-K partials); a replica that keeps the reference's order keeps that order's luck on every row. The
+    reduced axes of ``reduce_sum``, the contracting dimensions of ``dot_general`` (both operands alike) and the input
+    features of an ungrouped ``conv_general_dilated`` (lhs and rhs alike) are permuted."""
+    if prim == "reduce_sum":
+        x = ins[0]
+        for j, ax in enumerate(params["axes"]):
+            if x.shape[ax] > 1:
+                x = _permute(x, ax, jax.random.fold_in(key, j))
+        return [x]
+    if prim == "dot_general":
+        (lc, rc), _ = params["dimension_numbers"]
+        a, b = ins
+        for j, (la, ra) in enumerate(zip(lc, rc, strict=True)):
+            if a.shape[la] > 1:
+                perm = jax.random.permutation(jax.random.fold_in(key, j), a.shape[la])
+                a, b = jnp.take(a, perm, axis=la), jnp.take(b, perm, axis=ra)
+        return [a, b]
+    if prim == "conv_general_dilated" and params["feature_group_count"] == 1 and params["batch_group_count"] == 1:
+        dn = params["dimension_numbers"]
+        la, ra = dn.lhs_spec[1], dn.rhs_spec[1]
+        a, b = ins
+        if a.shape[la] > 1:
+            perm = jax.random.permutation(key, a.shape[la])
+            a, b = jnp.take(a, perm, axis=la), jnp.take(b, perm, axis=ra)
+        return [a, b]
+    return ins
+
+
+def _eval(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fmt, loops: set[str],
+          key=None) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -71,17 +109,20 @@ def _eval(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fmt, l
         env[var] = c
     for var, a in zip(jaxpr.invars, args, strict=True):
         env[var] = a
-    for eqn in jaxpr.eqns:
+    for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) for v in eqn.invars]
         prim = eqn.primitive.name
         sub = eqn.params.get(_CALLS[prim]) if prim in _CALLS else None
+        k_i = None if key is None else jax.random.fold_in(key, i)
         if sub is not None:
-            outs = (_eval(sub.jaxpr, sub.consts, ins, fmt, loops) if isinstance(sub, jcore.ClosedJaxpr)
-                    else _eval(sub, [], ins, fmt, loops))
+            outs = (_eval(sub.jaxpr, sub.consts, ins, fmt, loops, k_i) if isinstance(sub, jcore.ClosedJaxpr)
+                    else _eval(sub, [], ins, fmt, loops, k_i))
         else:
             params = dict(eqn.params)
             if prim in _CONTRACTIONS and fmt is not None:
                 ins = [_round_operand(x, fmt) for x in ins]
+            if prim in _CONTRACTIONS and k_i is not None:
+                ins = _reorder(prim, ins, params, k_i)
             if prim in _PRODUCTS:
                 params["precision"] = _HIGHEST
             if prim in _LOOPS:
@@ -97,35 +138,43 @@ _CACHE: dict[Any, tuple[Callable[..., Any], set[str]]] = {}
 _CACHE_SIZE = 64
 
 
-def at_precision(fn: Callable[..., Any], precision: str, *example_args: Any) -> tuple[Callable[..., Any], set[str]]:
+def at_precision(fn: Callable[..., Any], precision: str, *example_args: Any,
+                 reorder: bool = False) -> tuple[Callable[..., Any], set[str]]:
     """``fn`` as a ``precision`` kernel would compute it (module doc), jit-compiled for ``example_args``' shapes.
 
     Returns:
-      ``(emulated, not_emulated)``: ``emulated(*args)`` returns ``fn(*args)``'s flat output leaves;
-      ``not_emulated`` names the loop primitives whose bodies ran unrounded. Memoised on ``(fn, precision, shapes,
-      dtypes, x64)`` (a few dozen entries), so repeated checks of one function compile once.
+      ``(emulated, not_emulated)``: ``emulated(*args)`` returns ``fn(*args)``'s flat output leaves (with
+      ``reorder=True``, ``emulated(seed, *args)``: every sum in a random order drawn from the integer ``seed``,
+      :func:`_reorder`); ``not_emulated`` names the loop primitives whose bodies ran unrounded. Memoised on ``(fn,
+      precision, reorder, shapes, dtypes, x64)`` (a few dozen entries), so repeated checks of one function compile
+      once.
     """
     if precision not in OPERAND_FORMAT:
         raise ValueError(f"at_precision: precision must be one of {sorted(OPERAND_FORMAT)}, got {precision!r}")
     leaves, treedef = jax.tree.flatten(example_args)
-    key = (fn, precision, treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
+    key = (fn, precision, bool(reorder), treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
            bool(jax.config.jax_enable_x64))
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _build(fn, precision, *example_args)
+        _CACHE[key] = _build(fn, precision, reorder, *example_args)
     return _CACHE[key]
 
 
-def _build(fn, precision, *example_args):
+def _build(fn, precision, reorder, *example_args):
     fmt = OPERAND_FORMAT[precision]
     closed = jax.make_jaxpr(fn)(*example_args)
     loops: set[str] = set()
     jax.make_jaxpr(lambda *a: _eval(closed.jaxpr, closed.consts, jax.tree.leaves(a), fmt, loops))(*example_args)
 
-    @jax.jit
-    def emulated(*args):
-        return _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), fmt, set())
+    if reorder:
+        @jax.jit
+        def emulated(seed, *args):
+            return _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), fmt, set(), jax.random.key(seed))
+    else:
+        @jax.jit
+        def emulated(*args):
+            return _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), fmt, set())
 
     return emulated, loops
 
