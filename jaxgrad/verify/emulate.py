@@ -21,7 +21,11 @@ precision  operand format (exp, mant)  notes
 :func:`perturb` draws the independent rounding realisations: the same point moved by a few units in the last place
 of the hypothesis (``x (1 + 2 u_p xi)``, rounded back to the arrays' dtype), which re-randomises where every
 rounded operand falls in its rounding interval while the exact result moves by O(u_p), and is recomputed exactly
-by the float64 oracle at the moved point.
+by the float64 oracle at the moved point. With ``reorder=True`` (what the replicas use) every sum also runs in a random
+order (:func:`_reorder`: the reduced axes of ``reduce_sum``, the contracting dimensions of ``dot_general`` and the
+input features of an ungrouped convolution, permuted alike in both operands): the exact result is unchanged and its
+rounding re-drawn, so a replica does not inherit the reference's summation order and that order's luck on each row
+(a kernel sums in its own order: a tree over padded lanes, split-K partials).
 
 Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are entered; loops (``scan``, ``while``,
 ``cond``) are evaluated as they are, and :func:`at_precision` reports them in ``not_emulated`` so the report can

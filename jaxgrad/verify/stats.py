@@ -36,7 +36,12 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
    and, since slices differ (a peaked softmax row is one correlated unit, a flat one many), each slice against its
    own K replica sums, :math:`T / \bar T_k \sim F(d_S, K d_S)` with :math:`d_S` from their spread. It fails above
    the largest of these :math:`1 - \alpha / n_{\text{slices}}` quantiles and that of the independent-entry sum
-   (bulk :math:`\chi^2` and the heavy tail of one large term). An
+   (bulk :math:`\chi^2` and the heavy tail of one large term). The part of a slice's spread beyond that of
+   independent entries is rounding shared by the slice (a row statistic such as RMSNorm's rstd or a softmax's lse,
+   rounded once for the whole row); a correct kernel computes it in its own order and formula, so ``fn`` may carry
+   up to ``SHARED_FACTOR`` (:math:`c_s = 2`, amplitude) times the replicas' shared part: its variance is scaled by
+   :math:`c_s^4` and its mean by :math:`c_s^2` before the own-replica quantile. Slices of independent entries keep
+   their limit. An
    error confined to a border row, a stale column or a ragged last block stands out here even when the leaf's
    norm hides it.
 
