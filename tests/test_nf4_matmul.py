@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrad.lora.nf4 import nf4_dequantize, nf4_quantize
-from jaxgrad.ops.nf4_matmul import nf4_matmul, nf4_matmul_reference
+from jaxgrad.lora.nf4 import nf4_absmax, nf4_dequantize, nf4_quantize
+from jaxgrad.ops.nf4_matmul import nf4_matmul, nf4_matmul_dx_pallas, nf4_matmul_fwd_pallas, nf4_matmul_reference
 from jaxgrad.verify import assert_vjp_matches
 
 # (out, in): 100x96 = 150 whole 64-blocks; 101x95 = 149 blocks + a partial one of 59 (odd count, odd rows)
@@ -82,6 +82,24 @@ def test_double_quant_and_blocksize_128_and_xla_path():
     y0 = nf4_matmul_reference(x, w)
     for backend in ("pallas", "xla"):
         np.testing.assert_allclose(_kernel(w, backend=backend)(x), y0, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_and_output_dtypes_the_lora_block_asks_for():
+    # The LoRA block (bf16 forward) wants the base product unrounded in fp32 (it adds the LoRA term, then rounds
+    # once) and dY W with its fp32 dY against the bf16-rounded weight its forward used.
+    w = _weight(SHAPES[1], seed=9)
+    ops = (jnp.asarray(w.packed, jnp.uint8), nf4_absmax(w), tuple(w.shape), w.blocksize)
+    wb = np.float64(nf4_dequantize(w, jnp.bfloat16).astype(jnp.float32))  # the weight rounded to bf16
+    x = _x(TOKENS, SHAPES[1][1], jnp.bfloat16, seed=10)
+    y = nf4_matmul_fwd_pallas(x, *ops, interpret=True, block_m=32, block_n=32, block_k=32, out_dtype=jnp.float32)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, np.float64(np.float32(x)) @ wb.T, rtol=0, atol=1e-5)  # f32 sums, no bf16 rounding
+    g = _x(TOKENS, SHAPES[1][0], jnp.float32, seed=11)
+    dx = nf4_matmul_dx_pallas(g, *ops, interpret=True, block_m=32, block_n=32, block_k=32, w_dtype=jnp.bfloat16)
+    assert dx.dtype == jnp.float32
+    np.testing.assert_allclose(dx, np.float64(g) @ wb, rtol=0, atol=1e-5)
+    # the f32-dequantised weight differs from the bf16-rounded one by ~2^-9 relative: visible at this tolerance
+    assert np.max(np.abs(np.float64(nf4_matmul_dx_pallas(g, *ops, interpret=True)) - np.float64(g) @ wb)) > 1e-4
 
 
 def test_weight_is_never_dequantised_in_the_graph():

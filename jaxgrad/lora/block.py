@@ -37,9 +37,10 @@ from the key, NF4 dequantisation) is recomputed in the backward. At the benchmar
 others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
 
 ``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates
-it). ``attention="cudnn"`` runs the attention core through ``jax.nn.dot_product_attention(implementation="cudnn")``
-(GPU only; its backward is cuDNN's, through ``jax.vjp``, and nothing is saved for it); a padding mask is then
-passed as per-row key lengths, so it must be right padding.
+it); ``"pallas"`` is this VJP with both RMSNorms and the NF4 base products as Pallas kernels
+(:mod:`jaxgrad.lora.kernels`; the same saved statistics). ``attention="cudnn"`` runs the attention core through
+``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``,
+and nothing is saved for it); a padding mask is then passed as per-row key lengths, so it must be right padding.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
+from jaxgrad.lora.kernels import BACKENDS, XLA, BlockKernels
 from jaxgrad.ops.attention import attention_bwd, attention_fwd, attention_out_from_lse, attention_reference
 from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_linear_fwd, lora_linear_reference
-from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_reference, rms_norm_rstd
+from jaxgrad.ops.rmsnorm import rms_norm_reference
 from jaxgrad.ops.rope import apply_rope_reference, rope_bwd_x, rope_cos_sin, rope_fwd
 from jaxgrad.ops.swiglu import _bwd_math as swiglu_bwd_math
 from jaxgrad.ops.swiglu import swiglu_reference
@@ -204,9 +206,10 @@ def _cudnn_attention(q, k, v, attention_mask, attn):
                                         implementation=implementation)
 
 
-def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2=None):
+def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2=None,
+               kern=XLA):
     """The forward from the saved statistics; returns every activation the backward needs (and ``y`` when
-    ``r2`` is None, i.e. in the forward itself)."""
+    ``r1`` and ``r2`` are None, i.e. in the forward itself, which computes them)."""
     dt = x.dtype
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -215,11 +218,14 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
 
     def proj(h, g, n):
         a, bb = _adapter(lora, lcfg, g, n)
-        return lora_linear_fwd(h, base_weight(params[g][n]["weight"], dt), a, bb, s,
-                               _keep(lcfg, dropout_key, g, n, h.shape, dt))
+        w = params[g][n]["weight"]
+        xw = kern.base_fwd(h, w)  # h W^T in fp32 by the NF4 kernel (pallas backend), else None: W dequantised here
+        return lora_linear_fwd(h, None if xw is not None else base_weight(w, dt), a, bb, s,
+                               _keep(lcfg, dropout_key, g, n, h.shape, dt), xw=xw)
 
     cos, sin = _cos_sin(cfg, positions, b, t, dt)
-    h1 = rms_norm_apply(x, params["input_layernorm"]["weight"], r1)
+    # h1 = w_in * (x r1), r1 = rsqrt(mean(x^2) + eps) in fp32: computed in the forward, the saved one afterwards
+    h1, r1 = kern.norm(x, params["input_layernorm"]["weight"], cfg.rms_norm_eps, r1)
     q = rope_fwd(proj(h1, "self_attn", "q_proj").reshape(b, t, hq, d), cos, sin)
     k = rope_fwd(proj(h1, "self_attn", "k_proj").reshape(b, t, hkv, d), cos, sin)
     v = proj(h1, "self_attn", "v_proj").reshape(b, t, hkv, d)
@@ -231,45 +237,48 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
         o = attention_out_from_lse(q, k, v, lse, attention_mask).astype(dt)
     o2 = o.reshape(b, t, hq * d)
     x2 = x + proj(o2, "self_attn", "o_proj")
-    if r2 is None:
-        r2 = rms_norm_rstd(x2, cfg.rms_norm_eps)
-    h2 = rms_norm_apply(x2, params["post_attention_layernorm"]["weight"], r2)
+    h2, r2 = kern.norm(x2, params["post_attention_layernorm"]["weight"], cfg.rms_norm_eps, r2)
     e, u = proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj")
     m = swiglu_reference(e, u)
-    act.update(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o2, x2=x2, h2=h2, e=e, u=u, m=m, lse=lse, r2=r2)
+    act.update(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o2, x2=x2, h2=h2, e=e, u=u, m=m, lse=lse, r1=r1, r2=r2)
     return act, proj
 
 
-def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key):
-    return _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key)[0]
+def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
+    return _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern)[0]
 
 
-_block = jax.custom_vjp(_block_impl, nondiff_argnums=(0, 1, 2))
+# static: cfg, lcfg, the attention implementation and the kernel choice (a hashable BlockKernels)
+_block = jax.custom_vjp(_block_impl, nondiff_argnums=(0, 1, 2, 9))
 
 
-def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key):
-    r1 = rms_norm_rstd(x, cfg.rms_norm_eps)
-    act, proj = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, None)
+def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
+    act, proj = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, None, None,
+                           kern=kern)
     y = act["x2"] + proj(act["m"], "mlp", "down_proj")
     # saved: inputs + fp32 row statistics r1, r2 [B, T] + fp32 lse [B, Hkv, G, T]; everything else is recomputed
-    return y, (params, lora, x, positions, attention_mask, dropout_key, r1, act["r2"], act["lse"])
+    return y, (params, lora, x, positions, attention_mask, dropout_key, act["r1"], act["r2"], act["lse"])
 
 
-def _block_bwd(cfg, lcfg, attn, res, dy):
+def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     params, lora, x, positions, attention_mask, dropout_key, r1, r2, lse = res
     dt = x.dtype
     cdt = jnp.promote_types(dt, jnp.float32)  # gradient sums stay in fp32 (f64 for f64) until the end
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     s = 0.0 if lcfg is None else lcfg.scale
-    act, _ = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2)
+    act, _ = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2,
+                        kern=kern)
     grads = {}
 
     def proj_bwd(h, g, n, dout):
         """LoRA linear backward: dh = dY W + s m (G A), dA = s G^T drop(h), dB = s dY^T U."""
         a, bb = _adapter(lora, lcfg, g, n)
-        w = base_weight(params[g][n]["weight"], dt)  # NF4: re-dequantised here, never saved
-        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, cdt)
+        w = params[g][n]["weight"]
+        dyw = kern.base_dx(dout, w, dt)  # dY W by the NF4 kernel (pallas backend), else None
+        w = None if dyw is not None else base_weight(w, dt)  # NF4 on XLA: re-dequantised here, never saved
+        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, cdt,
+                                     dyw=dyw)
         if a is not None:
             grads.setdefault(g, {})[n] = {"lora_A": da, "lora_B": db}
         return dh
@@ -281,7 +290,7 @@ def _block_bwd(cfg, lcfg, attn, res, dy):
     de, du = swiglu_bwd_math(act["e"].astype(cdt), act["u"].astype(cdt), dm)
     dh2 = proj_bwd(act["h2"], "mlp", "gate_proj", de) + proj_bwd(act["h2"], "mlp", "up_proj", du)
     # post-attention RMSNorm: dx2 += r2 (g - n2 mean(g n2)), dw_post = sum dh2 n2
-    dx2_norm, dw_post = rms_norm_bwd(act["x2"], params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
+    dx2_norm, dw_post = kern.norm_bwd(act["x2"], params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
     dx2 = dy + dx2_norm
     # residual 1: x2 = x + o_proj(attn)
     do = proj_bwd(act["o2"], "self_attn", "o_proj", dx2).reshape(b, t, hq, d)
@@ -299,7 +308,7 @@ def _block_bwd(cfg, lcfg, attn, res, dy):
     h1 = act["h1"]
     dh1 = (proj_bwd(h1, "self_attn", "q_proj", dq) + proj_bwd(h1, "self_attn", "k_proj", dk)
            + proj_bwd(h1, "self_attn", "v_proj", dv))
-    dx1, dw_in = rms_norm_bwd(x, params["input_layernorm"]["weight"], r1, dh1, cdt)
+    dx1, dw_in = kern.norm_bwd(x, params["input_layernorm"]["weight"], r1, dh1, cdt)
     dx = (dx2 + dx1).astype(dt)  # both residual sums
     dparams = {k: None for k in params}  # frozen projection weights: zero cotangent (stop_gradient semantics)
     dparams["input_layernorm"] = {"weight": dw_in}
@@ -315,7 +324,7 @@ _block.defvjp(_block_fwd, _block_bwd)
 
 
 def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, positions=None, attention_mask=None,
-          dropout_key=None, *, backend: str = "xla", attention: str = "xla"):
+          dropout_key=None, *, backend: str = "xla", attention: str = "xla", interpret: bool | None = None):
     """One Llama decoder block with LoRA, forward; its VJP is hand-written (see the module docstring).
 
     Args:
@@ -329,14 +338,18 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       positions: ``[seq]`` or ``[batch, seq]`` integer positions (default ``arange(seq)``).
       attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding).
       dropout_key: PRNG key for ``lcfg.lora_dropout`` (no dropout without one); each module folds in its index.
-      backend: ``"xla"`` (the custom VJP) or ``"reference"`` (:func:`block_reference`, for ``jax.grad``).
+      backend: ``"xla"`` (the custom VJP), ``"pallas"`` (the same VJP with both RMSNorms and the NF4 base products
+        as Pallas kernels, :mod:`jaxgrad.lora.kernels`) or ``"reference"`` (:func:`block_reference`, for
+        ``jax.grad``).
       attention: ``"xla"`` (our attention VJP; the plain attention for ``"reference"``) or ``"cudnn"``
         (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``).
+      interpret: ``backend="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a
+        GPU, as everywhere in :mod:`jaxgrad.pallas_backend`; ``True`` forces it, e.g. on a GPU machine's CPU).
     """
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
-    if backend not in ("xla", "reference"):
-        raise ValueError(f"block: 'backend' must be 'xla' or 'reference', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"block: 'backend' must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
     if attention not in ("xla", "cudnn"):
         raise ValueError(f"block: 'attention' must be 'xla' or 'cudnn', got {attention!r}")
     if attention == "cudnn" and jax.default_backend() != "gpu":
@@ -345,7 +358,9 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
     if backend == "reference":
         return block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key,
                                attention=attention)
-    return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key)
+    # interpret only matters to the kernels: the xla backend ignores it (and gets one trace whatever it is)
+    kern = BlockKernels(backend, None if interpret is None or backend != "pallas" else bool(interpret))
+    return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern)
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
@@ -354,4 +369,4 @@ def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None,
     (tests run it with ``"xla"`` on the CPU)."""
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
-    return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key)
+    return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key, XLA)

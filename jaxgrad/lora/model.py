@@ -136,7 +136,9 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
       attention_mask: optional ``[batch, seq]`` HF mask (1 = token, 0 = padding).
       positions: ``[seq]`` or ``[batch, seq]`` (default ``arange(seq)``).
       dropout_key: LoRA dropout key (each layer folds in its index).
-      backend: ``"xla"`` (hand-written block VJP) or ``"reference"`` (plain JAX, ``jax.grad``).
+      backend: ``"xla"`` (hand-written block VJP), ``"pallas"`` (the same with the block's RMSNorms and NF4 base
+        products as Pallas kernels, interpret mode off-GPU; the final norm stays on XLA) or ``"reference"`` (plain
+        JAX, ``jax.grad``).
       dtype: activation dtype (default: the embedding's).
       train_base: with ``backend="reference"``, let gradients reach the projection weights (training a base
         model); the custom VJP treats them as frozen.

@@ -53,10 +53,11 @@ def lora_linear_reference(x, w, a, b, scale: float, keep_scale=None):
     return y.astype(x.dtype)
 
 
-def lora_linear_fwd(x, w, a, b, scale, keep_scale=None):
-    """``Y`` (in x's dtype). ``a``/``b`` may be ``None``: then plain ``x W^T``."""
+def lora_linear_fwd(x, w, a, b, scale, keep_scale=None, *, xw=None):
+    """``Y`` (in x's dtype). ``a``/``b`` may be ``None``: then plain ``x W^T``. ``xw``: the base product ``x W^T``
+    computed elsewhere, unrounded (the LoRA block's NF4 kernel; ``w`` is then unused)."""
     cdt = _cdt(x.dtype)
-    y = _mm(x, w, cdt)
+    y = _mm(x, w, cdt) if xw is None else xw.astype(cdt)
     if a is not None:
         xd = x if keep_scale is None else x * keep_scale.astype(x.dtype)
         u = _mm(xd, a, cdt)  # U = drop(X) A^T
@@ -64,15 +65,16 @@ def lora_linear_fwd(x, w, a, b, scale, keep_scale=None):
     return y.astype(x.dtype)
 
 
-def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None):
+def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=None):
     """``(dx, dA, dB)`` of the LoRA linear (``dA = dB = None`` without an adapter); dx in ``dx_dtype`` (default
-    x's dtype; the block keeps its gradient sums in fp32)."""
+    x's dtype; the block keeps its gradient sums in fp32). ``dyw``: the base term ``dY W`` computed elsewhere,
+    unrounded (the LoRA block's NF4 kernel; ``w`` is then unused)."""
     cdt = _cdt(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1]).astype(cdt)
     # dX = dY W  (+ the LoRA term below)
-    dx = jnp.matmul(dy2, w.astype(cdt))
+    dx = jnp.matmul(dy2, w.astype(cdt)) if dyw is None else dyw.reshape(dy2.shape[0], -1).astype(cdt)
     if a is None:
         return dx.reshape(*lead, -1).astype(dx_dtype or x.dtype), None, None
     xd = x2 if keep_scale is None else x2 * keep_scale.reshape(x2.shape).astype(x.dtype)

@@ -66,7 +66,8 @@ def _dot(a, b, cdt):
     return jnp.dot(a, b, preferred_element_type=cdt, precision=prec).astype(cdt)
 
 
-def _fwd_kernel(x_ref, packed_ref, absmax_ref, code_ref, y_ref, *, n_rows, out_f, in_f, log2_block, bk, nk):
+def _fwd_kernel(x_ref, packed_ref, absmax_ref, code_ref, y_ref, *, n_rows, out_f, in_f, log2_block, w_dtype, bk,
+                nk):
     bm, bn = y_ref.shape
     cdt = _cdt(x_ref.dtype)
     rows = pl.program_id(0) * bm + jnp.arange(bm)
@@ -80,14 +81,15 @@ def _fwd_kernel(x_ref, packed_ref, absmax_ref, code_ref, y_ref, *, n_rows, out_f
         # W^T tile [bk, bn]: element (k, o) of W^T is W[o, k]
         wt = _dequant_tile(packed_ref, absmax_ref, code_ref, outs[None, :], ks[:, None],
                            kmask[:, None] & omask[None, :], in_features=in_f, log2_block=log2_block,
-                           dtype=x_ref.dtype)
+                           dtype=w_dtype).astype(x_ref.dtype)
         return acc + _dot(x, wt, cdt)  # Y += X[:, k-tile] W[:, k-tile]^T
 
     acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), cdt))
     pb.masked_store(y_ref, acc, rmask[:, None] & omask[None, :])
 
 
-def _bwd_kernel(g_ref, packed_ref, absmax_ref, code_ref, dx_ref, *, n_rows, out_f, in_f, log2_block, bo, no):
+def _bwd_kernel(g_ref, packed_ref, absmax_ref, code_ref, dx_ref, *, n_rows, out_f, in_f, log2_block, w_dtype, bo,
+                no):
     bm, bk = dx_ref.shape
     cdt = _cdt(g_ref.dtype)
     rows = pl.program_id(0) * bm + jnp.arange(bm)
@@ -98,9 +100,10 @@ def _bwd_kernel(g_ref, packed_ref, absmax_ref, code_ref, dx_ref, *, n_rows, out_
         os_ = oo * bo + jnp.arange(bo)
         omask = os_ < out_f
         g = pb.masked_load(g_ref.at[:, pl.ds(oo * bo, bo)], rmask[:, None] & omask[None, :])
+        # rounded to w_dtype first (the forward's weight), then widened to g's dtype (the block's fp32 dY)
         w = _dequant_tile(packed_ref, absmax_ref, code_ref, os_[:, None], ks[None, :],
                           omask[:, None] & kmask[None, :], in_features=in_f, log2_block=log2_block,
-                          dtype=g_ref.dtype)
+                          dtype=w_dtype).astype(g_ref.dtype)
         return acc + _dot(g, w, cdt)  # dX += dY[:, o-tile] W[o-tile, :]
 
     acc = jax.lax.fori_loop(0, no, body, jnp.zeros((bm, bk), cdt))
@@ -111,7 +114,7 @@ def _full(a):
     return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # the whole (small or gathered-from) array
 
 
-def _call(kernel, act, packed, absmax, out_cols, red_cols, blocks, name, interpret, static, loop_kw):
+def _call(kernel, act, packed, absmax, out_cols, red_cols, blocks, name, interpret, static, loop_kw, out_dtype):
     """Grid (row blocks, out-column blocks); each program loops over the reduction axis in tiles of ``bred``."""
     bm, bout, bred = blocks
     n = act.shape[0]
@@ -119,7 +122,7 @@ def _call(kernel, act, packed, absmax, out_cols, red_cols, blocks, name, interpr
     code = jnp.asarray(NF4_CODE, jnp.float32)
     return pb.pallas_call(
         functools.partial(kernel, **static, **{loop_kw: nred}),
-        out_shape=jax.ShapeDtypeStruct((n, out_cols), act.dtype),
+        out_shape=jax.ShapeDtypeStruct((n, out_cols), out_dtype or act.dtype),
         grid=(pl.cdiv(n, bm), pl.cdiv(out_cols, bout)),
         # the activation's row block spans the whole reduction axis, rounded up to whole tiles (masked in-kernel)
         in_specs=[pl.BlockSpec((bm, nred * bred), lambda i, j: (i, 0)), _full(packed), _full(absmax), _full(code)],
@@ -134,24 +137,34 @@ def _blocks(n, a, b, block_m, block_n, block_k):
 
 
 def nf4_matmul_fwd_pallas(x, packed, absmax, shape, blocksize, *, interpret=None, block_m=64, block_n=64,
-                          block_k=64):
-    """Kernel ``x @ W^T`` (x ``[..., K]``, ``shape = (O, K)``) from packed codes and float32 absmax."""
+                          block_k=64, w_dtype=None, out_dtype=None):
+    """Kernel ``x @ W^T`` (x ``[..., K]``, ``shape = (O, K)``) from packed codes and float32 absmax.
+
+    ``w_dtype``: the dtype each dequantised weight element is rounded to (default x's; what ``nf4_dequantize(w,
+    w_dtype)`` gives). ``out_dtype``: the output's (default x's; the LoRA block asks for its fp32 accumulator so
+    that the base product and the LoRA term are rounded once, together)."""
     out_f, in_f = shape
     x2 = x.reshape(-1, in_f)
     bm, bn, bk = _blocks(x2.shape[0], out_f, in_f, block_m, block_n, block_k)
-    static = dict(n_rows=x2.shape[0], out_f=out_f, in_f=in_f, log2_block=blocksize.bit_length() - 1, bk=bk)
-    y = _call(_fwd_kernel, x2, packed, absmax, out_f, in_f, (bm, bn, bk), "nf4_matmul_fwd", interpret, static, "nk")
+    static = dict(n_rows=x2.shape[0], out_f=out_f, in_f=in_f, log2_block=blocksize.bit_length() - 1,
+                  w_dtype=jnp.dtype(w_dtype or x.dtype), bk=bk)
+    y = _call(_fwd_kernel, x2, packed, absmax, out_f, in_f, (bm, bn, bk), "nf4_matmul_fwd", interpret, static, "nk",
+              out_dtype)
     return y.reshape(*x.shape[:-1], out_f)
 
 
 def nf4_matmul_dx_pallas(g, packed, absmax, shape, blocksize, *, interpret=None, block_m=64, block_n=64,
-                         block_k=64):
-    """Kernel ``g @ W`` (g ``[..., O]``): x's gradient of ``x @ W^T``."""
+                         block_k=64, w_dtype=None, out_dtype=None):
+    """Kernel ``g @ W`` (g ``[..., O]``): x's gradient of ``x @ W^T``. ``w_dtype`` (default g's): the rounding of the
+    dequantised weight, i.e. the forward's activation dtype when ``g`` is wider (the LoRA block's fp32 ``dY`` with a
+    bf16 forward: the gradient of the bf16-rounded weight the forward used); ``out_dtype`` default g's."""
     out_f, in_f = shape
     g2 = g.reshape(-1, out_f)
     bm, bo, bk = _blocks(g2.shape[0], out_f, in_f, block_m, block_n, block_k)
-    static = dict(n_rows=g2.shape[0], out_f=out_f, in_f=in_f, log2_block=blocksize.bit_length() - 1, bo=bo)
-    dx = _call(_bwd_kernel, g2, packed, absmax, in_f, out_f, (bm, bk, bo), "nf4_matmul_dx", interpret, static, "no")
+    static = dict(n_rows=g2.shape[0], out_f=out_f, in_f=in_f, log2_block=blocksize.bit_length() - 1,
+                  w_dtype=jnp.dtype(w_dtype or g.dtype), bo=bo)
+    dx = _call(_bwd_kernel, g2, packed, absmax, in_f, out_f, (bm, bk, bo), "nf4_matmul_dx", interpret, static, "no",
+               out_dtype)
     return dx.reshape(*g.shape[:-1], in_f)
 
 

@@ -156,7 +156,9 @@ def rms_norm_fwd_pallas(x, weight, eps: float, *, interpret=None, block_rows: in
 
 
 def rms_norm_bwd_pallas(x, weight, rstd, dy, dx_dtype=None, *, interpret=None, block_rows: int = 16):
-    """Kernel backward: ``(dx, dw)`` as :func:`rms_norm_bwd` (dx in ``dx_dtype``, default x's dtype)."""
+    """Kernel backward: ``(dx, dw)`` as :func:`rms_norm_bwd` (dx in ``dx_dtype``, default x's dtype). ``dy`` is read
+    in its own dtype, like :func:`rms_norm_bwd` (the LoRA block passes its fp32 gradient sums with bf16 ``x``;
+    rounding them to bf16 first would add a rounding the XLA path does not have)."""
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     rows = x2.shape[0]
@@ -171,7 +173,7 @@ def rms_norm_bwd_pallas(x, weight, rstd, dy, dx_dtype=None, *, interpret=None, b
         out_specs=[row_spec, pl.BlockSpec((1, bh), lambda i: (i, 0))],
         name="rms_norm_bwd",
         interpret=interpret,
-    )(x2, weight, rstd.reshape(-1), dy.reshape(x2.shape).astype(x.dtype))
+    )(x2, weight, rstd.reshape(-1), dy.reshape(x2.shape))
     # The per-program partial sums of dw, reduced here (fp32, nblk x H: small) and rounded once.
     return dx.reshape(x.shape), jnp.sum(dwp, axis=0).astype(weight.dtype)
 

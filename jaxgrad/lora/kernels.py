@@ -1,0 +1,93 @@
+r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.block` run as Pallas kernels.
+
+``backend="xla"`` (the default): everything in ``jnp``, the block's hand-written VJP as before.
+``backend="pallas"`` (issue #13, step 1), per block (``r`` the fp32 row statistic, f64 for f64):
+
+* **Both RMSNorms.** Forward (and its recompute in the backward): ``rms_norm_fwd_pallas`` writes
+  :math:`h = w \odot (x r)` and :math:`r = (\overline{x^2} + \varepsilon)^{-1/2}`; ``r`` is what the block saves,
+  exactly as on the XLA path. Backward: ``rms_norm_bwd_pallas``,
+  :math:`\bar x = r(w \bar h - n\, \overline{n\, w \bar h})`, :math:`\bar w = \sum_\mathrm{rows} \bar h\, n`
+  with :math:`n = x r` recomputed from the saved ``r``; the block's fp32 :math:`\bar h` is read unrounded.
+* **NF4 base weights.** Where a projection's frozen ``W`` is an :class:`NF4Weight`, its base product
+  :math:`X W^\top` (forward, recompute) and :math:`\bar Y W` (backward) come from ``nf4_matmul_fwd_pallas`` /
+  ``nf4_matmul_dx_pallas``, which read the packed codes tile by tile (the dequantised ``W`` is never formed). Each
+  weight element is rounded to the activation dtype, as ``base_weight(w, dtype)`` does on the XLA path, and both
+  products come back unrounded in fp32 so that :func:`lora_linear_fwd` / :func:`lora_linear_bwd` add the LoRA
+  term and round once, as on the XLA path. The frozen base gets no gradient (as always).
+* **Everything else** (attention, RoPE, SwiGLU, the LoRA rank-r matmuls, dense base weights) stays on XLA.
+
+``interpret``: ``None`` lets :mod:`jaxgrad.pallas_backend` decide (interpret mode unless JAX's default backend is
+a GPU, where the kernels are compiled by Triton); ``True`` / ``False`` force it (tests on a GPU machine's CPU force
+``True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxgrad.lora.nf4 import NF4Weight, nf4_absmax
+from jaxgrad.ops.nf4_matmul import nf4_matmul_dx_pallas, nf4_matmul_fwd_pallas
+from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_pallas, rms_norm_fwd_pallas, rms_norm_rstd
+
+__all__ = ["BACKENDS", "BlockKernels"]
+
+BACKENDS = ("xla", "reference", "pallas")  # what block(backend=...) accepts; "reference" never reaches this module
+
+
+def _nf4_operands(w: NF4Weight):
+    """What the NF4 kernels read: packed uint8 codes, the float32 absmax per block (double quantisation decoded
+    here: ``n / blocksize`` values, small), the static shape and blocksize."""
+    return jnp.asarray(w.packed, jnp.uint8), nf4_absmax(w), tuple(w.shape), int(w.blocksize)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKernels:
+    """Static (hashable) kernel choice of one block call; a ``nondiff_argnums`` argument of the block's VJP."""
+
+    backend: str = "xla"  # "xla" or "pallas"
+    interpret: bool | None = None
+
+    @property
+    def pallas(self) -> bool:
+        return self.backend == "pallas"
+
+    def norm(self, x, w, eps, rstd=None):
+        """``(h, r)``: ``h = RMSNorm(x; w)`` and the row statistic ``r`` (fp32; f64 for f64). With ``rstd`` given
+        (the backward's recompute) that saved ``r`` is returned. The Pallas path recomputes ``h`` with the same
+        kernel as the forward, so the recomputed ``h`` has the forward's bits (its own ``r``, which the kernel
+        recomputes from the same ``x``, is the saved one)."""
+        if self.pallas:
+            h, r = rms_norm_fwd_pallas(x, w, eps, interpret=self.interpret)
+            return h, (r if rstd is None else rstd)
+        r = rms_norm_rstd(x, eps) if rstd is None else rstd
+        return rms_norm_apply(x, w, r), r
+
+    def norm_bwd(self, x, w, rstd, dh, dx_dtype):
+        """``(dx, dw)`` from the saved ``rstd``: ``dx = r (w dh - n mean(n w dh))``, ``dw = sum_rows dh n``."""
+        if self.pallas:
+            return rms_norm_bwd_pallas(x, w, rstd, dh, dx_dtype, interpret=self.interpret)
+        return rms_norm_bwd(x, w, rstd, dh, dx_dtype)
+
+    def nf4_kernel(self, w) -> bool:
+        return self.pallas and isinstance(w, NF4Weight)
+
+    def base_fwd(self, h, w):
+        """``h W^T`` in fp32 (f64 for f64) by the NF4 kernel, or ``None`` where the XLA path computes it."""
+        if not self.nf4_kernel(w):
+            return None
+        return nf4_matmul_fwd_pallas(h, *_nf4_operands(w), interpret=self.interpret, w_dtype=h.dtype,
+                                     out_dtype=jnp.promote_types(h.dtype, jnp.float32))
+
+    def base_dx(self, dy, w, dtype):
+        """``dY W`` (``dy`` the block's fp32 sums, ``W`` rounded to the forward's ``dtype``) by the NF4 kernel, or
+        ``None`` where the XLA path computes it."""
+        if not self.nf4_kernel(w):
+            return None
+        cdt = jnp.promote_types(dtype, jnp.float32)
+        return nf4_matmul_dx_pallas(dy.astype(cdt), *_nf4_operands(w), interpret=self.interpret, w_dtype=dtype,
+                                    out_dtype=cdt)
+
+
+XLA = BlockKernels()
