@@ -77,6 +77,9 @@ JAX_VARIANTS = {
     "custom_vjp xla-attn": ("xla", "xla", False),
     "jax.grad(reference) cudnn": ("reference", "cudnn", False),
     "jax.grad(reference) xla-attn": ("reference", "xla", False),
+    # issue #13: the block's Pallas kernels (RMSNorm; NF4 dequantise + matmul) behind the same custom VJP
+    "custom_vjp cudnn pallas": ("pallas", "cudnn", False),
+    "custom_vjp cudnn nf4 pallas": ("pallas", "cudnn", True),
 }
 ROW_TAG = "LORA_BENCH_ROW "
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,12 +88,15 @@ GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o
 
 
 RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "custom_vjp cudnn nf4",
-             "jax.grad(reference) xla-attn", "custom_vjp xla-attn")  # most wanted first (a time budget may cut)
+             "jax.grad(reference) xla-attn", "custom_vjp xla-attn", "custom_vjp cudnn pallas",
+             "custom_vjp cudnn nf4 pallas")  # most wanted first (a time budget may cut)
 
 
 def variant_names(on_gpu: bool) -> list[str]:
-    """All variant names of this platform, in run order (the cuDNN ones renamed off-GPU)."""
-    return [name if on_gpu else name.replace("cudnn", "sdpa(xla)") for name in RUN_ORDER]
+    """All variant names of this platform, in run order (the cuDNN ones renamed off-GPU; the Pallas ones, compiled
+    kernels, only on a GPU)."""
+    return [name if on_gpu else name.replace("cudnn", "sdpa(xla)") for name in RUN_ORDER
+            if on_gpu or "pallas" not in name]
 
 
 def _jax_spec(name: str) -> tuple[str, str, bool]:
@@ -200,7 +206,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
             return block_reference(params, lora, x, cfg, lcfg, attention=attention)
         if attention.startswith("sdpa:"):  # the attention="cudnn" code path with another implementation (CPU)
             return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1])
-        return block(params, lora, x, cfg, lcfg, attention=attention)
+        return block(params, lora, x, cfg, lcfg, attention=attention, backend=backend)
 
     def fwd_bwd(params, lora, x, cot):
         y, pull = jax.vjp(lambda l, xx: run_block(params, l, xx), lora, x)
