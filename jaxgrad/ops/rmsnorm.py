@@ -129,10 +129,19 @@ def _bwd_kernel(x_ref, w_ref, r_ref, dy_ref, dx_ref, dwp_ref, *, rows, hidden):
     pb.masked_store(dwp_ref, jnp.sum(dy * n, axis=0, keepdims=True), cmask)
 
 
+# At most this many elements per program and tensor: 16 rows x 2048 lanes in fp32 over 4 warps held 256 values per
+# thread and tensor (the backward keeps six such tiles), far past the register file; the block with it measured
+# 10.7 ms against 7.5 ms for the XLA norms on the H100 (benchmarks/results/lora-nvidia-h100-80gb-hbm3-20261123-172130).
+# Capping the tile and giving wide rows more warps keeps ~16 values per thread and tensor (not yet re-measured).
+_TILE_ELEMENTS = 4096
+
+
 def _row_tiling(rows, hidden, block_rows):
+    """(rows per program, padded row width, programs, warps): whole rows, at most _TILE_ELEMENTS per tile."""
     bh = pb.block_size(hidden, max(hidden, 1) * 2, min_block=16)  # the whole row, padded to a power of two
-    bm = pb.block_size(rows, block_rows, min_block=1)
-    return bm, bh, pl.cdiv(rows, bm)
+    bm = pb.block_size(rows, max(1, min(block_rows, _TILE_ELEMENTS // bh)), min_block=1)
+    warps = min(16, max(4, bm * bh // 512))
+    return bm, bh, pl.cdiv(rows, bm), warps
 
 
 def rms_norm_fwd_pallas(x, weight, eps: float, *, interpret=None, block_rows: int = 16):
@@ -140,7 +149,7 @@ def rms_norm_fwd_pallas(x, weight, eps: float, *, interpret=None, block_rows: in
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     rows = x2.shape[0]
-    bm, bh, nblk = _row_tiling(rows, hidden, block_rows)
+    bm, bh, nblk, warps = _row_tiling(rows, hidden, block_rows)
     cdt = _cdt(x.dtype)
     call = pb.pallas_call(
         functools.partial(_fwd_kernel, rows=rows, hidden=hidden, eps=float(eps)),
@@ -150,6 +159,7 @@ def rms_norm_fwd_pallas(x, weight, eps: float, *, interpret=None, block_rows: in
         out_specs=[pl.BlockSpec((bm, bh), lambda i: (i, 0)), pl.BlockSpec((bm,), lambda i: (i,))],
         name="rms_norm_fwd",
         interpret=interpret,
+        num_warps=warps,
     )
     y, r = call(x2, weight)
     return y.reshape(x.shape), r.reshape(x.shape[:-1])
@@ -162,7 +172,7 @@ def rms_norm_bwd_pallas(x, weight, rstd, dy, dx_dtype=None, *, interpret=None, b
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     rows = x2.shape[0]
-    bm, bh, nblk = _row_tiling(rows, hidden, block_rows)
+    bm, bh, nblk, warps = _row_tiling(rows, hidden, block_rows)
     cdt = rstd.dtype
     row_spec = pl.BlockSpec((bm, bh), lambda i: (i, 0))
     dx, dwp = pb.pallas_call(
@@ -173,6 +183,7 @@ def rms_norm_bwd_pallas(x, weight, rstd, dy, dx_dtype=None, *, interpret=None, b
         out_specs=[row_spec, pl.BlockSpec((1, bh), lambda i: (i, 0))],
         name="rms_norm_bwd",
         interpret=interpret,
+        num_warps=warps,
     )(x2, weight, rstd.reshape(-1), dy.reshape(x2.shape))
     # The per-program partial sums of dw, reduced here (fp32, nblk x H: small) and rounded once.
     return dx.reshape(x.shape), jnp.sum(dwp, axis=0).astype(weight.dtype)
