@@ -120,13 +120,16 @@ def load_bench(results: pathlib.Path) -> list[dict]:
 
 
 def latest_bench(results: pathlib.Path, suite: str | None = None) -> dict[tuple[str, str], list[dict]]:
-    """(suite, device) -> the latest file of each matmul-precision setting, 'default' first (one suite if named)."""
+    """(suite, device) -> the latest file of each matmul-precision setting, 'default' first (one suite if named);
+    a file with a PyTorch row is preferred to a later one without (a run of a few variants, ``--variants``)."""
     best: dict[tuple[str, str, str], dict] = {}
     for f in load_bench(results):
         if suite is not None and f["suite"] != suite:
             continue
         key = (f["suite"], f["device"], f["precision"])
-        if key not in best or (f["stamp"], f["path"].name) > (best[key]["stamp"], best[key]["path"].name):
+        # a run that has the PyTorch row (the whole comparison) wins over a later run of a few variants
+        rank = lambda g: (any(_is_torch(r["variant"]) for r in g["rows"]), g["stamp"], g["path"].name)  # noqa: E731
+        if key not in best or rank(f) > rank(best[key]):
             best[key] = f
     order = {s: i for i, s in enumerate(SUITE_ORDER)}
     groups: dict[tuple[str, str], list[dict]] = {}
