@@ -16,6 +16,7 @@ import pytest
 from jaxgrad.cnn import denoiser
 from jaxgrad.cnn.conv import conv2d
 from jaxgrad.verify import check_vjp
+from jaxgrad.verify.planted import with_backward_edit
 from jaxgrad.verify.report import LeafResult
 
 SIZE = 128  # per-entry misses a flipped conv1/conv3 weight gradient from here on (kappa ~ 1e5)
@@ -27,19 +28,7 @@ def _flipped_dw_conv(**options):
     def f(x, w, b):
         return conv2d(x, w, b, **options)
 
-    @jax.custom_vjp
-    def conv(x, w, b):
-        return f(x, w, b)
-
-    def fwd(x, w, b):
-        return jax.vjp(f, x, w, b)
-
-    def bwd(pullback, g):
-        dx, dw, db = pullback(g)
-        return dx, dw[::-1, ::-1], db  # BUG
-
-    conv.defvjp(fwd, bwd)
-    return conv
+    return with_backward_edit(f, lambda dx, dw, db: (dx, dw[::-1, ::-1], db))  # BUG: dW rotated by 180 degrees
 
 
 def _denoiser_loss(bad_layer=None):

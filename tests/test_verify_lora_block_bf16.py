@@ -10,31 +10,21 @@ for exp's saturation test; the comparisons still use M. This test is a strict xf
 is fixed, and then the marker must go.
 """
 
-import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxgrad.verify import check_vjp
+from jaxgrad.verify.planted import with_backward_edit
 from test_lora_block import _fns, _split_norms, make_block
 
 
 def _planted_q_proj_b(fn, scale):
     """fn whose backward returns q_proj's lora_B gradient (1 + scale) times too large."""
-    @jax.custom_vjp
-    def f(x, lora, norms):
-        return fn(x, lora, norms)
-
-    def fwd(x, lora, norms):
-        return jax.vjp(fn, x, lora, norms)
-
-    def bwd(pull, g):
-        dx, dl, dn = pull(g)
+    def edit(dx, dl, dn):
         q = dl["self_attn"]["q_proj"]
-        dl = {**dl, "self_attn": {**dl["self_attn"], "q_proj": {**q, "lora_B": q["lora_B"] * (1 + scale)}}}
-        return dx, dl, dn
+        return dx, {**dl, "self_attn": {**dl["self_attn"], "q_proj": {**q, "lora_B": q["lora_B"] * (1 + scale)}}}, dn
 
-    f.defvjp(fwd, bwd)
-    return f
+    return with_backward_edit(fn, edit)
 
 
 @pytest.mark.slow

@@ -35,7 +35,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["PlantedCase", "correct_cases", "buggy_cases", "all_cases"]
+__all__ = ["PlantedCase", "correct_cases", "buggy_cases", "all_cases", "with_backward_edit"]
+
+
+def with_backward_edit(fn: Callable, edit: Callable) -> Callable:
+    """``fn`` with the same forward and its VJP's gradients passed through ``edit(*grads) -> grads``: a bug planted
+    in a correct backward (``edit`` returns the gradients of every argument, one changed)."""
+
+    @jax.custom_vjp
+    def planted(*args):
+        return fn(*args)
+
+    def fwd(*args):
+        return jax.vjp(fn, *args)
+
+    def bwd(pullback, g):
+        return tuple(edit(*pullback(g)))
+
+    planted.defvjp(fwd, bwd)
+    return planted
 
 
 @dataclasses.dataclass(frozen=True)
