@@ -165,3 +165,39 @@ def test_pallas_conv_relu_audit_passes_on_the_gpu():
     (case,) = [c for c in audit_cases() if "pallas" in c.name]
     rep = audit(case.fn, case.reference, case.make_args, case.sizes, name=case.name, arg_names=case.arg_names)
     assert rep.passed, str(rep)
+
+
+def test_comparison_radius_is_the_first_order_error_of_a_nonlinear_chain():
+    """The radius of ``exp(x w) > c`` is Wilkinson's running error bound E, linear in the operands' errors:
+    E(xw) = r|xw|, E(e) = |e| E(xw) + r|e|, E(e - c) = E(e) + r(|e| + |c|) -- not r M with M(exp a) = |e|(1 + M(a)),
+    whose products of magnitudes compound through every nonlinear step (~1e150 over a transformer block)."""
+    r, c = 0.01, 1.5
+    with jax.enable_x64(True):
+        x = jnp.linspace(-1.0, 1.5, 401)
+        w = jnp.float64(0.7)
+        res = magnitudes(lambda x, w: jnp.where(jnp.exp(x * w) - c > 0.0, x, 0.0), x, w, kink_bound=lambda n: r)
+        xw = np.abs(np.asarray(x * w))
+        e = np.exp(np.asarray(x * w))
+        err = e * r * xw + r * e + r * (e + c)
+    u = np.abs(e - c) <= err
+    assert 0 < u.sum() < 40
+    assert res.uncertain_comparisons == int(u.sum())
+
+
+def test_a_sum_of_positive_terms_compared_with_zero_is_never_uncertain():
+    """A softmax denominator ``sum exp(s) > 0`` keeps its sign under any rounding, however large its error bound
+    (a bf16 bound through RMSNorm and attention is O(1) of it): not a kink. ``sum exp(s) > 3`` can flip."""
+    with jax.enable_x64(True):
+        s = jax.random.normal(jax.random.key(3), (6, 9), jnp.float64)
+
+        def attn(s, t):
+            e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+            den = jnp.sum(e, axis=-1, keepdims=True)
+            return e / jnp.where(den > t, den, 1.0)
+
+        at_zero = magnitudes(lambda s: attn(s, 0.0), s, kink_bound=lambda n: 0.5)
+        assert "gt" in at_zero.rounded_comparisons and at_zero.kink_counts == [0]
+        den = np.sum(np.exp(np.asarray(s) - np.asarray(s).max(-1, keepdims=True)), -1)
+        t = float(np.median(den))
+        at_t = magnitudes(lambda s: attn(s, t), s, kink_bound=lambda n: 0.5)
+        assert at_t.kink_counts[0] > 0

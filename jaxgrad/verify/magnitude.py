@@ -29,9 +29,16 @@ differs, and the result changes by the *jump* between the branches -- O(1) times
 rounding analysis has no such term, so it is tracked separately, as an absolute bound :math:`K(v)`:
 
 * a comparison ``a < b`` (``>``, ``<=``, ``>=``, ``==``, ``!=``) is *uncertain* where
-  :math:`|a - b| \le r(N)\,(M(a) + M(b)) + K(a) + K(b)`, with :math:`r(N) =` ``kink_bound(N)`` the relative rounding
-  radius of the run under test; operands that are inputs or pure data movement of inputs are exact (no rounding,
-  so never uncertain by themselves);
+  :math:`|a - b| \le E(a) + E(b) + K(a) + K(b)`. :math:`E` is the first-order running error bound of the run under
+  test (Wilkinson), with :math:`r(N) =` ``kink_bound(N)`` its relative rounding radius over N terms:
+  :math:`E(a \pm b) = E(a) + E(b) + r(1)(|a| + |b|)`, :math:`E(ab) = E(a)|b| + |a|E(b) + r(1)|ab|` (a dot or conv:
+  the same with :math:`r(N)` and the product of magnitudes), :math:`E(f(a)) = |f'(a)| E(a) + r(1)|f(a)|`, max/min
+  and data movement move it. Unlike :math:`r(N) M`, it is linear in the operands' errors and does not compound
+  through normalisations (:math:`M(\exp a) = |e|(1 + M(a))` multiplies magnitudes: ~1e150 over a transformer block,
+  where every softmax comparison looked uncertain). Operands that are inputs or pure data movement of inputs are
+  exact (E = 0). Against an exact zero, a value whose *sign* rounding cannot change is certain however large E:
+  products and quotients of such values, ``exp``/``logistic``, sign-keeping functions of them, and sums of terms of
+  one sign (a softmax denominator ``den > 0``);
 * ``select_n(p, a, b)`` on an uncertain ``p`` adds the jump :math:`|a - b|`; a bool converted to float adds 1;
 * :math:`K` then propagates like a first-order error: :math:`K(a \pm b) = K(a) + K(b)`,
   :math:`K(ab) = K(a)|b| + |a|K(b)` (dots and convs alike), :math:`K(f(a)) = |f'(a)|K(a)`, data movement moves it.
@@ -87,6 +94,15 @@ _DATA_MOVEMENT = {
 }
 _PRODUCTS = {"mul", "dot_general", "conv_general_dilated"}  # bilinear: K(ab) = K(a)|b| + |a|K(b)
 _COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
+# Linear primitives whose output is a rounded sum or product: they add a local rounding r(n) * (their op on |operands|)
+# to the propagated first-order error E
+_ROUNDING = {"add", "add_any", "sub", "mul", "dot_general", "conv_general_dilated", "reduce_sum", "cumsum",
+             "scatter-add", "scatter_add", "reduce_window_sum", "reduce_precision"}
+# Elementwise primitives whose output keeps the sign of their (first) operand under rounding (zero iff it is zero),
+# and those whose output is positive whatever the operand
+_SIGN_KEEPING = {"sqrt", "cbrt", "abs", "tanh", "sign", "integer_pow", "square", "erf", "sinh", "atan", "asinh",
+                 "rsqrt", "copy", "copy_p", "reduce_precision", "neg", "convert_element_type", "real"}
+_POSITIVE = {"exp", "exp2", "logistic"}
 _BOOL_LOGIC = {"and", "or", "not", "xor"}
 # exp leaves first order where r(N) M(a) + K(a) >= this (at the C = 8 bound: u M(a) >= 1, a factor e per rounding)
 EXP_SATURATION = 8.0
@@ -160,6 +176,14 @@ class _State(NamedTuple):
     # |val|). The rounding radius of an exp's argument is judged on it, not on ``mag``, which grows multiplicatively
     # through normalisations (~1e150 over a transformer block) and would call every softmax saturated.
     loc: Any = None
+    # (kink mode only) the first-order rounding error bound E of the run under test (None: 0, an exact value):
+    # Wilkinson's running error analysis, linear in the operands' errors (no M(a) M(b) products), so it does not grow
+    # multiplicatively through normalisations as ``mag`` does. A comparison's radius is judged on it.
+    err: Any = None
+    # (kink mode only) where the computed value's sign is certain (bool array; None: nowhere known; exact values
+    # always): products, exps and sums of same-signed terms keep their sign under any rounding, so ``den > 0`` on a
+    # softmax denominator never flips however large E is.
+    sgn: Any = None
 
 
 def _zeros_like_kink(v):
@@ -219,14 +243,19 @@ class _Interpreter:
         self.rounded_comparisons.add(prim)
         if self.kink_bound is None:
             return None
-        r = self.kink_bound(max(a.n, b.n))
         radius = 0.0
         for s in (a, b):
-            if not s.exact:
-                radius = radius + r * s.mag
+            if not s.exact and s.err is not None:
+                radius = radius + s.err
             if s.kink is not None:
                 radius = radius + s.kink
         mask = jnp.abs(a.val - b.val) <= radius
+        for s, o in ((a, b), (b, a)):  # against an exact zero, a value whose sign is certain cannot flip
+            if o.exact and s.sgn is not None:
+                certain = s.sgn & (s.val != 0) & (o.val == 0)
+                if s.kink is not None:
+                    certain = certain & (jnp.abs(s.val) > s.kink)
+                mask = mask & ~certain
         self.uncertain.append(jnp.count_nonzero(mask))
         return mask
 
@@ -283,6 +312,87 @@ class _Interpreter:
             return [jnp.abs(kk) if _is_float(o) else None for kk, o in zip(ks, outvals, strict=True)]
         return None  # elementwise nonlinear: handled with the JVPs in eqn()
 
+    # -- first-order error and sign certainty (kink mode) ---------------------------------------------------
+    def _err_linear(self, primitive, params, ins, vals, outvals, n_local: int, exact_out: bool):
+        r"""E of a linear primitive's outputs: the operands' errors moved through it (a product: its operands' errors
+        times the other operands' |values|, :math:`E(ab) = E(a)|b| + |a|E(b)`), plus the local rounding
+        :math:`r(n)\,\mathrm{op}(|a|, |b|)` of a rounded sum or product over ``n`` terms. List, None = 0."""
+        if exact_out:
+            return [None] * len(outvals)
+        prim = primitive.name
+        errs_in = [s.err if _is_float(s.val) else None for s in ins]
+        if prim in _PRODUCTS:
+            total = None
+            for i, e in enumerate(errs_in):
+                if e is not None:
+                    ops = [e if j == i else (jnp.abs(v) if _is_float(v) else v) for j, v in enumerate(vals)]
+                    t = primitive.bind(*ops, **params)
+                    total = t if total is None else total + t
+            errs = [total]
+        elif all(e is None for e in errs_in):
+            errs = [None] * len(outvals)
+        else:
+            errs = _bind_nonneg(primitive, params, [(e if e is not None else _zeros_like_kink(v)) if _is_float(v)
+                                                    else v for v, e in zip(vals, errs_in)])
+        rounds = prim in _ROUNDING or (prim == "convert_element_type" and any(_is_float(v) for v in vals)
+                                       and jnp.dtype(params["new_dtype"]) != jnp.float64)
+        if rounds:
+            r = self.kink_bound(max(n_local, 1))
+            local = _bind_nonneg(primitive, params, [jnp.abs(v) if _is_float(v) else v for v in vals])
+            errs = [r * jnp.abs(lc) if e is None else jnp.abs(e) + r * jnp.abs(lc) for e, lc in zip(errs, local)]
+        return [jnp.abs(e) if (e is not None and _is_float(o)) else None for e, o in zip(errs, outvals, strict=True)]
+
+    @staticmethod
+    def _sign_known(s: _State):
+        if s.exact:
+            return jnp.ones(jnp.shape(s.val), jnp.bool_)
+        return s.sgn
+
+    def _sgn_out(self, primitive, params, ins, vals, outvals):
+        """Where each output's computed sign is certain (bool array) or None: products and quotients of
+        sign-certain values, sums of sign-certain terms of one sign, exp/logistic (always positive), data movement
+        and sign-keeping elementwise functions of sign-certain values; a select on an uncertain predicate only where
+        every case is sign-certain with one strict sign."""
+        prim = primitive.name
+        if len(outvals) != 1 or not _is_float(outvals[0]):
+            return [None] * len(outvals)
+        shape = jnp.shape(outvals[0])
+        known = [self._sign_known(s) if _is_float(s.val) else None for s in ins]
+        fl = [i for i, v in enumerate(vals) if _is_float(v)]
+        try:
+            if prim in _POSITIVE:
+                out = jnp.ones(shape, jnp.bool_)
+            elif prim == "convert_element_type" and not fl:  # a bool or int mask made float: 0/1, certain unless flips
+                out = jnp.ones(shape, jnp.bool_) if ins[0].kink is None else ~ins[0].kink
+            elif any(known[i] is None for i in fl):
+                return [None]
+            elif prim in _SIGN_KEEPING and len(fl) == 1:
+                out = known[fl[0]]
+            elif prim in ("mul", "div"):
+                out = known[0] & known[1]
+            elif prim in ("add", "add_any", "sub"):
+                a, b = vals[0], -vals[1] if prim == "sub" else vals[1]
+                out = known[0] & known[1] & (((a >= 0) & (b >= 0)) | ((a <= 0) & (b <= 0)))
+            elif prim == "reduce_sum":
+                v, axes = vals[0], tuple(params["axes"])
+                out = jnp.all(known[0] & (v >= 0), axis=axes) | jnp.all(known[0] & (v <= 0), axis=axes)
+            elif prim == "select_n":
+                pred, cases = ins[0], [known[i] for i in range(1, len(ins))]
+                out = primitive.bind(pred.val, *cases, **params)
+                if pred.kink is not None:
+                    cv = [jnp.asarray(vals[i]) for i in range(1, len(ins))]
+                    one_sign = functools.reduce(jnp.logical_and, [c > 0 for c in cv]) | \
+                        functools.reduce(jnp.logical_and, [c < 0 for c in cv])
+                    out = out & (~pred.kink | (functools.reduce(jnp.logical_and, cases) & one_sign))
+            elif prim in _DATA_MOVEMENT:
+                ops = [known[i] if i in fl else v for i, v in enumerate(vals)]
+                out = primitive.bind(*ops, **params)
+            else:
+                return [None]
+        except Exception:  # a data-movement rule that does not take bool operands: unknown, the safe side
+            return [None]
+        return [jnp.broadcast_to(out, shape)]
+
     def eqn(self, eqn, ins: list[_State]) -> list[_State]:
         prim = eqn.primitive.name
         params = dict(eqn.params)
@@ -329,13 +439,21 @@ class _Interpreter:
                     [loc_or_abs(i) for i in range(len(ins))]
                 locs = [jnp.abs(lc) if _is_float(o) else None
                         for o, lc in zip(outvals, _bind_nonneg(eqn.primitive, params, ops), strict=True)]
-            return [_State(o, jnp.abs(mm) if _is_float(o) else None, n_out, k, exact_out, lc)
-                    for o, mm, k, lc in zip(outvals, ms, kinks, locs, strict=True)]
+            errs = sgns = [None] * len(outvals)
+            if self.kink_bound is not None:
+                errs = self._err_linear(eqn.primitive, params, ins, vals, outvals,
+                                        _contraction_size(prim, params, vals), exact_out)
+                sgns = self._sgn_out(eqn.primitive, params, ins, vals, outvals)
+            return [_State(o, jnp.abs(mm) if _is_float(o) else None, n_out, k, exact_out, lc, e, sg)
+                    for o, mm, k, lc, e, sg in zip(outvals, ms, kinks, locs, errs, sgns, strict=True)]
         if prim in _REDUCE_SELECT:
             (m,) = _bind_nonneg(eqn.primitive, params, [mag_or_abs(0)])
             lc = jnp.abs(_bind_nonneg(eqn.primitive, params, [loc_or_abs(0)])[0]) if self.kink_bound is not None \
                 else None
-            return [_State(outvals[0], jnp.abs(m), n_in, kinks[0], exact_out, lc)]
+            err = None
+            if self.kink_bound is not None and ins[0].err is not None:
+                err = jnp.abs(_bind_nonneg(eqn.primitive, params, [ins[0].err])[0])
+            return [_State(outvals[0], jnp.abs(m), n_in, kinks[0], exact_out, lc, err)]
         if prim in _ELEMENTWISE_SELECT and len(float_ins) == len(ins) == 2:
             # max(a, b) picks one operand, and a rounded run may pick the other one: M = max(M(a), M(b)) (>= |y|;
             # the slope rule would give M = 0 to max(z, 0) at z < 0, where a TF32 z can come out positive).
@@ -345,7 +463,11 @@ class _Interpreter:
             if self.kink_bound is not None and any(s.kink is not None for s in ins):
                 ka, kb = (s.kink if s.kink is not None else _zeros_like_kink(s.val) for s in ins)
                 k = jnp.maximum(ka, kb)
-            return [_State(outvals[0], jnp.broadcast_to(m, np.shape(outvals[0])), n_in, k, exact_out)]
+            err = None
+            if self.kink_bound is not None and any(s.err is not None for s in ins):
+                err = jnp.maximum(*(s.err if s.err is not None else _zeros_like_kink(s.val) for s in ins))
+                err = jnp.broadcast_to(err, np.shape(outvals[0]))
+            return [_State(outvals[0], jnp.broadcast_to(m, np.shape(outvals[0])), n_in, k, exact_out, None, err)]
 
         # Elementwise (or unknown) nonlinear primitive: M(y) = |y| + sum_k |dy/dx_k| M(x_k), one JVP per input;
         # the same for the kink term, K(y) = sum_k |dy/dx_k| K(x_k).
@@ -368,20 +490,30 @@ class _Interpreter:
 
         mags_out = [jnp.abs(o) if _is_float(o) else None for o in outvals]
         kinks_out = [None] * len(outvals)
+        # E(f(a)) = sum_k |df/da_k| E(a_k) + r(1) |f(a)|: propagated, plus the fresh rounding of the output
+        errs_out = [None] * len(outvals)
+        if self.kink_bound is not None:
+            errs_out = [self.kink_bound(1) * jnp.abs(o) if _is_float(o) else None for o in outvals]
+
+        def add_abs(acc, t_out):
+            return [a if (a is None or not _is_float(t)) else a + jnp.abs(t) for a, t in zip(acc, t_out, strict=True)]
         try:
             for i in float_idx:
-                t_out = abs_jvp(i, mag_or_abs(i))
-                mags_out = [m if m is None or not _is_float(t) else m + jnp.abs(t)
-                            for m, t in zip(mags_out, t_out, strict=True)]
+                mags_out = add_abs(mags_out, abs_jvp(i, mag_or_abs(i)))
+                if self.kink_bound is not None and ins[i].err is not None:
+                    errs_out = add_abs(errs_out, abs_jvp(i, ins[i].err))
                 if ins[i].kink is not None and self.kink_bound is not None:
                     k_out = abs_jvp(i, ins[i].kink)
                     kinks_out = [None if not _is_float(t) else (jnp.abs(t) if k is None else k + jnp.abs(t))
                                  for k, t in zip(kinks_out, k_out, strict=True)]
         except Exception:  # no JVP rule: keep |y| only, and say so
             self.approximated.add(prim)
+        sgns = self._sgn_out(eqn.primitive, params, ins, vals, outvals) if self.kink_bound is not None \
+            else [None] * len(outvals)
         if prim == "exp" and not ins[0].exact:
             kinks_out = [self._exp_saturation(ins[0], outvals[0], kinks_out[0])]
-        return [_State(o, m, n_in + 1, k, False) for o, m, k in zip(outvals, mags_out, kinks_out, strict=True)]
+        return [_State(o, m, n_in + 1, k, False, None, e, sg)
+                for o, m, k, e, sg in zip(outvals, mags_out, kinks_out, errs_out, sgns, strict=True)]
 
     def _exp_saturation(self, a: _State, y, k_first_order):
         """K of ``exp(a)`` where the argument's rounding radius reaches ``EXP_SATURATION`` (module doc)."""
