@@ -140,12 +140,15 @@ def latest_bench(results: pathlib.Path, suite: str | None = None) -> dict[tuple[
     return groups
 
 
-def _latest_json(results: pathlib.Path, pattern: str) -> tuple[pathlib.Path, dict] | None:
+def _latest_json(results: pathlib.Path, pattern: str, accept=None) -> tuple[pathlib.Path, dict] | None:
+    """The newest result file matching ``pattern`` (and ``accept(data)``, when given)."""
     found = []
     for path in results.glob(pattern):
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
+            continue
+        if accept is not None and not accept(data):
             continue
         env = data.get("environment", {}) if isinstance(data, dict) else {}
         found.append(((_stamp(path, env), path.name), path, data))
@@ -293,7 +296,11 @@ def table_bench_full(results: pathlib.Path, suite: str | None = None) -> list[st
 
 # ------------------------------------------------------------------------------------------------ detection
 def table_detection(results: pathlib.Path) -> list[str]:
-    found = _latest_json(results, "verify-detection-*.json")
+    # a complete sweep: every op of the table (a run of some ops, ``--ops``, is a spot check and stays in its file)
+    # (when no file covers every op, the newest file of any ops, so a first partial run still shows)
+    found = (_latest_json(results, "verify-detection-*.json",
+                          accept=lambda d: {"dense", "conv_relu", "attention"} <= {r.get("op") for r in d.get("rows", [])})
+             or _latest_json(results, "verify-detection-*.json"))
     if found is None:
         return ["(no `verify-detection-*.json` in `" + _rel(results) + "`)"]
     path, data = found

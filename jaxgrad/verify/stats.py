@@ -76,7 +76,7 @@ FALSE_ALARM_RATE = 1e-4  # per leaf, under the model: split evenly over the four
 # bf16 intermediates): correct VJPs of the planted catalogue measured <= 2.1x their reference (CPU, f32 and bf16).
 IMPLEMENTATION_FACTOR = 4.0
 # A leaf is undetermined when its jumps ||K|| reach this multiple of its norm: only entries fed by a saturated exp
-# (K = |exp a| e^60, magnitude.SATURATED_JUMP) get there; a rounded comparison's jump is the difference of two
+# (K = |exp a| e^60, kinks.SATURATED_JUMP) get there; a rounded comparison's jump is the difference of two
 # first-order branches, which the four tests model (its flips are judged, not excused).
 UNDETERMINED_SPREAD = float(np.exp(30.0))
 # A statistic shared by a slice (a row's rstd or mean(x * g) in RMSNorm, a softmax row's lse) is one rounding shared
