@@ -299,8 +299,10 @@ def table_detection(results: pathlib.Path) -> list[str]:
     # a complete sweep: every op of the table (a run of some ops, ``--ops``, is a spot check and stays in its file)
     # (when no file covers every op, the newest file of any ops, so a first partial run still shows)
     found = (_latest_json(results, "verify-detection-*.json",
-                          accept=lambda d: {"dense", "conv_relu", "attention"} <= {r.get("op") for r in d.get("rows", [])})
-             or _latest_json(results, "verify-detection-*.json"))
+                          accept=lambda d: {"dense", "conv_relu", "attention"} <= {r.get("op") for r in d.get("rows", [])
+                                                                                 if not r.get("hardware")})
+             or _latest_json(results, "verify-detection-*.json",
+                             accept=lambda d: not any(r.get("hardware") for r in d.get("rows", []))))
     if found is None:
         return ["(no `verify-detection-*.json` in `" + _rel(results) + "`)"]
     path, data = found

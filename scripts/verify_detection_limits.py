@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ import pathlib
 import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.benchmarking import _jsonable, device_slug, environment
@@ -74,7 +76,11 @@ def _group(job) -> dict:
     false_alarms, confined, entries, kinks, undetermined = 0, 0, 0, 0, 0
     for trial in range(a.trials):
         rng = np.random.default_rng([a.seed, trial, size, OPS.index(op)])
-        case = make_case(op, size, precision, rng)
+        if a.hardware:  # the reference as the GPU runs it: TF32 dots/convs for f32 arrays, bf16 arrays in bf16
+            case = make_case(op, size, "f32", rng, jnp.bfloat16 if precision == "bf16" else jnp.float32)
+            case = dataclasses.replace(case, fn=case.native)
+        else:
+            case = make_case(op, size, precision, rng)
         err = leaf_errors(case, precision, a.replicas, rng)
         missed = [i for i, c in enumerate(caught_all) if not c]
         caught, base, conf = judge(err, a.scales, precision, rng, lowest=(max(missed) + 1) if missed else 0)
@@ -86,6 +92,7 @@ def _group(job) -> dict:
         kinks += err.kink is not None
     limit = next((s for i, s in enumerate(a.scales) if caught_all[i:].all()), None)
     return {"op": op, "precision": precision, "size": size, "entries": entries, "trials": a.trials, "kinks": kinks > 0,
+            "hardware": bool(a.hardware),
             "smallest_scale_caught_in_all": limit,
             "caught_in_all": {str(s): bool(c) for s, c in zip(a.scales, caught_all)},
             "false_alarms": false_alarms, "confined_1pct_10sigma_caught": confined, "undetermined": undetermined,
@@ -105,7 +112,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes, one (op, precision, size) each")
+    ap.add_argument("--hardware", action="store_true",
+                    help="GPU spot check: the correct kernel is the reference at the GPU's default precision (tf32: "
+                         "f32 arrays, TF32 dots/convs; bf16: bf16 arrays), its rounding the hardware's own")
     a = ap.parse_args(argv)
+    if a.hardware:
+        os.environ.setdefault("JAX_PLATFORMS", "cuda")
+        bad = [p for p in a.precisions if p not in ("tf32", "bf16")]
+        if bad or os.environ["JAX_PLATFORMS"] == "cpu":
+            ap.error(f"--hardware: needs a GPU (JAX_PLATFORMS={os.environ['JAX_PLATFORMS']!r}) and --precisions "
+                     f"from tf32, bf16 (got {a.precisions})")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # precisions are emulated: the CPU table is the reference one
     if a.quick:
         a.sizes, a.trials = [64, 1024], 4
@@ -152,15 +168,18 @@ def main(argv=None) -> int:
     if not a.no_write:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"verify-detection-{device_slug(env['device_kind'])}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem = out / f"verify-detection-{'hardware-' if a.hardware else ''}{device_slug(env['device_kind'])}-{time.strftime('%Y%m%d-%H%M%S')}"
         stem.with_suffix(".json").write_text(json.dumps(_jsonable({"environment": env, "summary": summary,
                                                                     "rows": rows}), indent=1) + "\n")
         lines = [f"# device: {env['device_kind']} ({env['platform']}), {env['datetime_utc']}; jax {env['jax']}, "
                  f"python {env['python']}",
                  f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: {env['command']}",
                  f"# computed on {'the CPU' if on_cpu else 'the GPU'} (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')}, "
-                 f"{a.jobs} worker processes; emulated products at HIGHEST, so the GPU's own TF32 is not involved); "
-                 f"K = {a.replicas} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per leaf; 'caught' = "
+                 f"{a.jobs} worker processes; "
+                 + ("HARDWARE rounding: the correct kernel is the reference at the GPU's default precision, TF32 "
+                    "dots/convs for f32 arrays and bf16 arrays in bf16; only the replicas are emulated); "
+                    if a.hardware else "emulated products at HIGHEST, so the GPU's own TF32 is not involved); ")
+                 + f"K = {a.replicas} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per leaf; 'caught' = "
                  f"caught in all {a.trials} trials; precisions other than the platform's are emulated "
                  "(reduce_precision on operands, f32 accumulation)",
                  f"{'op':10s} {'prec':5s} {'entries':>8s} {'kinks':5s} {'limit':>8s} {'confined1%@10sd':>15s} "

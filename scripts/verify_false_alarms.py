@@ -72,7 +72,9 @@ def run_one(cfg: dict, mode: str) -> dict:
                      for j, a in enumerate(args))
     fn, stated = case.fn, ("f16" if prec == "f16" else None)
     if mode == "gpu":
-        fn = case.reference  # XLA's own GPU lowering (TF32 dots/convs by default; bf16 arrays in bf16)
+        # XLA's own GPU lowering at the default precision: TF32 dots/convs for f32 arrays, bf16 arrays in bf16
+        # (before session 9 this was case.reference itself, whose dots are at HIGHEST: its "tf32" runs were f32)
+        fn = case.native
         if prec.startswith("conv2d"):
             from jaxgrad.cnn.conv import conv2d
 

@@ -114,6 +114,26 @@ def test_detection_table_from_a_fake_results_dir(fake_results):
     assert "commit abcdef1" in text and "all 2 random trials" in text
 
 
+def test_detection_table_prefers_a_complete_emulated_sweep(fake_results):
+    # a newer sweep of every op wins over a partial one; a newer hardware-rounding spot check (--hardware: the
+    # GPU's own TF32/bf16, two precisions only) never becomes the table
+    def write(name, stamp, ops, hardware=False):
+        rows = [{"op": op, "precision": "tf32", "size": 64, "entries": 64, "trials": 2, "kinks": False,
+                 "hardware": hardware, "smallest_scale_caught_in_all": 0.002, "caught_in_all": {"0.002": True}}
+                for op in ops]
+        (fake_results / name).write_text(json.dumps({"environment": {"datetime_utc": stamp, "commit": "c0ffee1"},
+                                                     "summary": {"replicas": 16, "model_false_alarm_rate_per_leaf": 1e-4},
+                                                     "rows": rows}))
+
+    write("verify-detection-fake-gpu-20260105-000000.json", "2026-01-05T00:00:00+00:00",
+          ("dense", "conv_relu", "attention"))
+    write("verify-detection-hardware-fake-gpu-20260106-000000.json", "2026-01-06T00:00:00+00:00",
+          ("dense", "conv_relu", "attention"), hardware=True)
+    write("verify-detection-fake-gpu-20260107-000000.json", "2026-01-07T00:00:00+00:00", ("dense",))
+    text = _render(fake_results, "detection")
+    assert "verify-detection-fake-gpu-20260105-000000.json" in text and "softmax attention (q)" in text
+
+
 def test_check_mode_and_unknown_tables(fake_results, tmp_path):
     md = tmp_path / "doc.md"
     md.write_text("# doc\n<!-- table:detection begin -->\n<!-- table:detection end -->\n")

@@ -49,6 +49,12 @@ class Case:
     args: tuple
     leaf: int  # index of the planted argument
 
+    @property
+    def native(self) -> Callable:
+        """The reference at the platform's default precision, as a user's jitted code runs it: on a GPU, f32 dots and
+        convs in TF32 (XLA's default) and bf16 arrays in bf16 -- the hardware's own rounding, no emulation."""
+        return functools.partial(self.reference, p=lax.Precision.DEFAULT)
+
 
 def _rounder(precision: str) -> Callable:
     fmt = OPERAND_FORMAT[precision]
@@ -59,8 +65,8 @@ def _rounder(precision: str) -> Callable:
 def _dense(precision):
     r = _rounder(precision)
 
-    def ref(x, w, b):
-        return jnp.dot(x, w, precision=_HI) + b
+    def ref(x, w, b, p=_HI):
+        return jnp.dot(x, w, precision=p) + b
 
     @jax.custom_vjp
     def f(x, w, b):
@@ -87,11 +93,11 @@ def _dense(precision):
 def _conv_relu(precision):
     r = _rounder(precision)
 
-    def conv(x, w):
-        return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_DN, precision=_HI)
+    def conv(x, w, p=_HI):
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_DN, precision=p)
 
-    def ref(x, w, b):
-        return jax.nn.relu(conv(x, w) + b)
+    def ref(x, w, b, p=_HI):
+        return jax.nn.relu(conv(x, w, p) + b)
 
     @jax.custom_vjp
     def f(x, w, b):
@@ -116,9 +122,9 @@ def _conv_relu(precision):
 def _attention(precision):
     r = _rounder(precision)
 
-    def ref(q, k, v):
-        s = jnp.dot(q, k.T, precision=_HI) / math.sqrt(q.shape[-1])
-        return jnp.dot(jax.nn.softmax(s, axis=-1), v, precision=_HI)
+    def ref(q, k, v, p=_HI):
+        s = jnp.dot(q, k.T, precision=p) / math.sqrt(q.shape[-1])
+        return jnp.dot(jax.nn.softmax(s, axis=-1), v, precision=p)
 
     def probs(q, k):
         return jax.nn.softmax(jnp.dot(r(q), r(k).T, precision=_HI) / math.sqrt(q.shape[-1]), axis=-1)
