@@ -201,3 +201,21 @@ def test_a_sum_of_positive_terms_compared_with_zero_is_never_uncertain():
         t = float(np.median(den))
         at_t = magnitudes(lambda s: attn(s, t), s, kink_bound=lambda n: 0.5)
         assert at_t.kink_counts[0] > 0
+
+
+@pytest.mark.parametrize("movement", ["optimization_barrier", "split"])
+def test_sign_certainty_passes_through_data_movement_with_a_list_result(movement):
+    """``optimization_barrier`` and ``split`` return a list even for one result (the NF4 block's barrier did, and
+    crashed the interpreter on the H100): the sign of a positive sum carried through them stays certain."""
+    move = {"optimization_barrier": lambda v: jax.lax.optimization_barrier(v),
+            "split": lambda v: jnp.split(v, [4], axis=-1)[1]}[movement]
+    with jax.enable_x64(True):
+        s = jax.random.normal(jax.random.key(4), (6, 9), jnp.float64)
+
+        def attn(s):
+            e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+            den = move(jnp.sum(e, axis=-1, keepdims=True) * jnp.ones((1, 9)))
+            return jnp.where(den > 0.0, 1.0 / den, 0.0)
+
+        m = magnitudes(attn, s, kink_bound=lambda n: 0.5)
+        assert "gt" in m.rounded_comparisons and m.kink_counts == [0]

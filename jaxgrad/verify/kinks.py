@@ -185,6 +185,15 @@ class KinkRules:
         and sign-keeping elementwise functions of sign-certain values; a select on an uncertain predicate only where
         every case is sign-certain with one strict sign."""
         prim = primitive.name
+        if primitive.multiple_results and prim in _DATA_MOVEMENT:  # split, optimization_barrier: one list out
+            known = [self._sign_known(s) if is_float(s.val) else v for s, v in zip(ins, vals)]
+            if any(k is None for k in known):
+                return [None] * len(outvals)
+            try:
+                outs = primitive.bind(*known, **params)
+            except Exception:  # a rule that does not take bool operands: unknown, the safe side
+                return [None] * len(outvals)
+            return [jnp.broadcast_to(k, jnp.shape(o)) if is_float(o) else None for k, o in zip(outs, outvals)]
         if len(outvals) != 1 or not is_float(outvals[0]):
             return [None] * len(outvals)
         shape = jnp.shape(outvals[0])
