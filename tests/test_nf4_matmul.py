@@ -124,3 +124,140 @@ def test_bad_input_is_named():
         nf4_matmul(jnp.ones((3, 96)), jnp.ones((100, 96)))
     with pytest.raises(ValueError, match="backend must be 'xla' or 'pallas'"):
         nf4_matmul(jnp.ones((3, 96)), w, backend="cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tiled path (K even and a multiple of the blocksize: contiguous byte tiles, nibbles split by shifts)
+# ---------------------------------------------------------------------------------------------------------------
+# (out, in, blocksize, block_k): odd row counts everywhere; 192 = 1.5 k-tiles of 128 (a partial tile, two scales per
+# tile); 256 with blocksize 128 and 32-wide tiles (one scale spans four tiles); 320 with blocksize 32 (four scales
+# per 128-tile, a partial last tile)
+TILED = [(101, 192, 64, 128), (37, 256, 128, 32), (45, 320, 32, 128)]
+
+
+def _ops(w):
+    return jnp.asarray(w.packed, jnp.uint8), nf4_absmax(w), tuple(w.shape), w.blocksize
+
+
+def test_path_choice():
+    from jaxgrad.ops.nf4_matmul import tiled_path_applies
+
+    assert all(tiled_path_applies((o, k), b) for o, k, b, _ in TILED)
+    assert tiled_path_applies((5632, 2048), 64) and tiled_path_applies((2048, 5632), 64)
+    assert not any(tiled_path_applies(s, 64) for s in SHAPES)  # 96 % 64, 95 odd: the general path
+    w = _weight(SHAPES[1], seed=20)
+    with pytest.raises(ValueError, match="tiled path needs K even and a multiple of the blocksize"):
+        nf4_matmul_fwd_pallas(jnp.ones((3, 95)), *_ops(w), interpret=True, path="tiled")
+
+
+@pytest.mark.parametrize("lut", ["gather", "select"])
+@pytest.mark.parametrize("case", TILED)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tiled_forward_and_dx_match_reference(case, dtype, lut):
+    o, k, bsz, bk = case
+    seed = 100 + 7 * o + k  # fresh inputs per case
+    w = _weight((o, k), seed=seed, blocksize=bsz)
+    x = _x(TOKENS, k, dtype, seed=seed + 1)
+    blocks = dict(block_m=32, block_n=32, block_k=bk)
+    y = nf4_matmul_fwd_pallas(x, *_ops(w), interpret=True, path="tiled", lut=lut, **blocks)
+    assert y.dtype == dtype and y.shape == (TOKENS, o)
+    _within_rounding(y, x, w, dtype)
+    # dx = g W: the same tile function on [bo, bk] tiles of W (block_n bounds the K tile, block_k the O loop)
+    g = _x(TOKENS, o, dtype, seed=seed + 2)
+    dx = nf4_matmul_dx_pallas(g, *_ops(w), interpret=True, path="tiled", lut=lut, block_m=32, block_n=bk,
+                              block_k=32, out_dtype=jnp.float32)
+    wd = np.float64(nf4_dequantize(w, dtype).astype(jnp.float32))
+    gf = np.float64(np.float32(g))
+    bound = 4 * (o + 2) * 2.0**-24 * (np.abs(gf) @ np.abs(wd)) + 1e-30
+    assert np.all(np.abs(np.float64(dx) - gf @ wd) <= bound)
+
+
+@pytest.mark.parametrize("case", TILED)
+def test_tiled_equals_general_path_and_float64(case):
+    o, k, bsz, bk = case
+    w = _weight((o, k), seed=200 + o, blocksize=bsz, double_quant=(bsz == 64))
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(201 + o), (2, 7, k), jnp.float64)
+        g = jax.random.normal(jax.random.key(202 + o), (2, 7, o), jnp.float64)
+        kw = dict(interpret=True, block_m=16, block_n=32, block_k=bk)
+        y_t = nf4_matmul_fwd_pallas(x, *_ops(w), path="tiled", **kw)
+        y_g = nf4_matmul_fwd_pallas(x, *_ops(w), path="general", **kw)
+        y0 = nf4_matmul_reference(x, w)
+        assert y_t.dtype == jnp.float64 and y_t.shape == (2, 7, o)
+        np.testing.assert_allclose(y_t, y0, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(y_t, y_g, rtol=1e-13, atol=1e-13)
+        dx_t = nf4_matmul_dx_pallas(g, *_ops(w), path="tiled", **kw)
+        wd = np.asarray(nf4_dequantize(w, jnp.float64))
+        np.testing.assert_allclose(dx_t, np.asarray(g) @ wd, rtol=1e-13, atol=1e-13)
+
+
+def test_tiled_vjp_of_x_is_verified():
+    o, k, bsz, bk = TILED[0]
+    w = _weight((o, k), seed=300, blocksize=bsz)
+    x = _x(TOKENS, k, jnp.float32, seed=301)
+    f = _kernel(w, block_k=bk)  # path=None picks the tiled kernels for this shape
+    assert_vjp_matches(f, lambda a: nf4_matmul_reference(a, w), x, arg_names=("x",))
+
+
+def test_tiled_weight_and_output_dtypes_the_lora_block_asks_for():
+    # as the general-path test above: bf16 forward with an fp32 result, and fp32 dY against the bf16-rounded weight
+    # (the three-bf16-pass dot: exact products, so within f32 summation of the float64 product)
+    o, k, bsz, bk = TILED[2]
+    w = _weight((o, k), seed=400, blocksize=bsz)
+    wb = np.float64(nf4_dequantize(w, jnp.bfloat16).astype(jnp.float32))
+    x = _x(TOKENS, k, jnp.bfloat16, seed=401)
+    kw = dict(interpret=True, path="tiled", block_m=32, block_n=32, block_k=bk)
+    y = nf4_matmul_fwd_pallas(x, *_ops(w), out_dtype=jnp.float32, **kw)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, np.float64(np.float32(x)) @ wb.T, rtol=0, atol=1e-5)
+    g = _x(TOKENS, o, jnp.float32, seed=402)
+    for split in (True, False):
+        dx = nf4_matmul_dx_pallas(g, *_ops(w), w_dtype=jnp.bfloat16, f32_split=split,
+                                  **(kw | dict(block_n=bk, block_k=32)))
+        assert dx.dtype == jnp.float32
+        np.testing.assert_allclose(dx, np.float64(g) @ wb, rtol=0, atol=1e-5)
+
+
+def test_tiled_weight_is_never_dequantised_in_the_graph():
+    o, k, bsz, bk = TILED[0]
+    w = _weight((o, k), seed=500, blocksize=bsz)
+    x = _x(TOKENS, k, jnp.float32)
+    f = _kernel(w, block_k=bk)
+    text = str(jax.make_jaxpr(f)(x)) + str(jax.make_jaxpr(jax.vjp(f, x)[1])(jnp.ones((TOKENS, o))))
+    assert "nf4_matmul_fwd" in text and "nf4_matmul_dx" in text
+    assert f"[{o},{k}]" not in text and f"[{o * k}]" not in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the compiled (Triton) kernels at the LoRA block's MLP shapes
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize(("o", "k"), [(5632, 2048), (2048, 5632)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_compiled_kernels_at_the_block_shapes(o, k, dtype):
+    """Forward (out in x's dtype and in fp32) and dx (the block's fp32 dY against the weight rounded to ``dtype``)
+    compiled by Triton, against float32 ``HIGHEST`` products of the dequantised weight, per entry within the
+    rounding model (both sides' f32 sums, plus one rounding of the output)."""
+    n = 8192
+    w = _weight((o, k), seed=600)
+    x = _x(n, k, dtype, seed=601)
+    g = _x(n, o, jnp.float32, seed=602)
+    ops = _ops(w)
+    with jax.default_matmul_precision("highest"):
+        wd = nf4_dequantize(w, dtype).astype(jnp.float32)
+        xf = x.astype(jnp.float32)
+        exact_y, terms_y = xf @ wd.T, jnp.abs(xf) @ jnp.abs(wd).T
+        exact_dx, terms_dx = g @ wd, jnp.abs(g) @ jnp.abs(wd)
+
+    def check(got, exact, terms, red, u_out):
+        bound = 2 * u_out * jnp.abs(exact) + 8 * (red + 2) * 2.0**-24 * terms + 1e-30
+        ratio = float(jnp.max(jnp.abs(got.astype(jnp.float32) - exact) / bound))
+        assert ratio <= 1.0, f"max err/bound {ratio:.3g}"
+
+    u = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-24
+    def compiled(fn, **kw):
+        return jax.jit(functools.partial(fn, shape=ops[2], blocksize=ops[3], interpret=False, **kw))
+
+    check(compiled(nf4_matmul_fwd_pallas)(x, ops[0], ops[1]), exact_y, terms_y, k, u)
+    check(compiled(nf4_matmul_fwd_pallas, out_dtype=jnp.float32)(x, ops[0], ops[1]), exact_y, terms_y, k, 2.0**-24)
+    check(compiled(nf4_matmul_dx_pallas, w_dtype=dtype)(g, ops[0], ops[1]), exact_dx, terms_dx, o, 2.0**-24)
