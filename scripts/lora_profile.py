@@ -358,16 +358,16 @@ def describe(mod: HloModule, name: str) -> OpInfo:
         bwd = "backward" in target.lower()
         q = arrays(operand_shapes[0])[0][1] if operand_shapes and arrays(operand_shapes[0]) else ()
         cfg = ins.attrs
-        causal = "CAUSAL" in cfg.upper()
-        lb = _json_list(cfg, "lhs_batch_dimensions") or [0, 2]
-        lc = _json_list(cfg, "lhs_contracting_dimensions") or [len(q) - 1]
-        if q:
-            bh = math.prod(q[d] for d in lb)
-            d = math.prod(q[i] for i in lc)
-            t = math.prod(x for i, x in enumerate(q) if i not in lb and i not in lc)
-            pairs = t * (t + 1) / 2 if causal else t * t
-            info.flops = (8.0 if bwd else 4.0) * bh * pairs * d
-            info.detail = f"BH={bh} T={t} d={d}{' causal' if causal else ''}"
+        causal = '"mask_type":"CAUSAL"' in cfg or '"is_causal_mask":true' in cfg
+        # the score tensor [B, Hq, T, S] (cuDNN's intermediate_tensor_shape); d = q's last (contracted) dim
+        m = re.search(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]', cfg)
+        bhts = _ints(m.group(1)) if m else []
+        if q and len(bhts) == 4:
+            b_, h_, t, s_ = bhts
+            d = q[-1]
+            pairs = t * (t + 1) / 2 if causal and t == s_ else t * s_
+            info.flops = (8.0 if bwd else 4.0) * b_ * h_ * pairs * d
+            info.detail = f"B={b_} Hq={h_} T={t} S={s_} d={d}{' causal' if causal else ''}"
         info.kind, info.category = "attention", f"cuDNN attention {'bwd' if bwd else 'fwd'}"
         info.phase = phase or ("bwd" if bwd else "fwd")
         return info
@@ -395,7 +395,7 @@ def describe(mod: HloModule, name: str) -> OpInfo:
         b, m, n, k = _gemm_mnk(ldims, rdims, *dot[2:])
         info.flops = 2.0 * b * m * n * k
         skinny = min(m, n, k) <= SKINNY
-        dtype = "bf16" if {ldt, rdt} <= {"bf16", "f16"} else "f32" if "f32" in (ldt, rdt) else f"{ldt}x{rdt}"
+        dtype = "bf16" if {ldt, rdt} <= {"bf16", "f16"} else "f32/tf32" if "f32" in (ldt, rdt) else f"{ldt}x{rdt}"
         info.kind = "gemm"
         info.category = f"{engine} gemm {'lora' if skinny else 'base'} {dtype}"
         info.detail = f"{'%dx' % b if b > 1 else ''}{m}x{n}x{k} {ldt}.{rdt}->{arrays(ins.shape)[0][0] if arrays(ins.shape) else '?'}"
@@ -493,8 +493,15 @@ class OpRow:
     op: str
     info: OpInfo
     kernels: collections.Counter
-    count: float = 0.0  # per step
+    count: float = 0.0  # executions per step
     ms: float = 0.0  # per step
+    launches: float = 0.0  # kernels per step (memsets included)
+    kernel_ms: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def main_kernel(self) -> str:
+        """The op's kernel with the most time, memsets / memcpys last."""
+        return max(self.kernel_ms, key=lambda k: (not _is_copy_kernel(k), self.kernel_ms[k]))
 
 
 def aggregate(events: list[KernelEvent], mod: HloModule, steps: int) -> list[OpRow]:
@@ -515,14 +522,26 @@ def aggregate(events: list[KernelEvent], mod: HloModule, steps: int) -> list[OpR
                        "unattributed")
                 info = OpInfo(category=cat, kind="other")
             else:
-                info = describe(mod, key)
+                try:
+                    info = describe(mod, key)
+                except Exception as e:  # noqa: BLE001 - an HLO form this reader does not know: keep the time
+                    info = OpInfo(category=f"unparsed ({type(e).__name__})", kind="other")
             row = rows[key] = OpRow(key, info, collections.Counter())
         row.kernels[ev.kernel] += 1
+        row.kernel_ms[ev.kernel] += ev.dur_us / 1e3 / steps
         row.ms += ev.dur_us / 1e3 / steps
     for row in rows.values():
-        # count per step: launches of the op's most frequent kernel (one op may launch several kernels)
-        row.count = max(row.kernels.values()) / steps
+        # executions per step: one op may launch several kernels (cuDNN's backward: its kernels and memsets;
+        # cuBLAS: a memset, split-K reductions), so the fewest launches of any of its compute kernels
+        compute = {k: n for k, n in row.kernels.items() if not _is_copy_kernel(k)} or row.kernels
+        row.count = min(compute.values()) / steps
+        row.launches = sum(row.kernels.values()) / steps
     return sorted(rows.values(), key=lambda r: -r.ms)
+
+
+def _is_copy_kernel(name: str) -> bool:
+    low = name.lower()
+    return "memset" in low or "memcpy" in low
 
 
 def _short(s: str, n: int) -> str:
@@ -539,8 +558,8 @@ def variant_table(name: str, rows: list[OpRow], meta: dict, top: int = 40) -> st
     lines.append(
         f"step wall (harness median): {_f(wall)} ms as benchmarked (XLA defaults); {_f(wall_p)} ms for the "
         f"profiled executable ({meta.get('profiled_with', '?')}); {meta.get('steps')} steps traced")
-    lines.append(f"GPU busy per step (sum of kernel times): {busy:.3f} ms in {sum(r.count for r in rows):.0f} "
-                 f"launches of {len(rows)} ops; idle/launch gap vs profiled wall: "
+    lines.append(f"GPU busy per step (sum of kernel times): {busy:.3f} ms in {sum(r.launches for r in rows):.0f} "
+                 f"kernel launches of {len(rows)} ops; idle/launch gap vs profiled wall: "
                  f"{_f(None if wall_p is None else wall_p - busy)} ms; sum of op floors {floor:.3f} ms "
                  f"(the FLOP floor of the block, lora/bench.py, is separate: see header)")
     lines.append(f"events: {meta.get('events_from', '?')}")
@@ -566,6 +585,15 @@ def variant_table(name: str, rows: list[OpRow], meta: dict, top: int = 40) -> st
                      f"{byts / ms / 1e6 if ms else 0:7.0f}")
     lines.append(f"{'total':<34} {sum(s[2] for s in stats):7.0f} {busy:8.3f} {100.0:6.1f} {floor:9.3f} "
                  f"{busy - floor:8.3f} {(floor / busy if busy else 0):5.2f}")
+    # coarse buckets
+    buckets: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+    for r in rows:
+        b = buckets[_bucket(r.info)]
+        b[0] += r.count
+        b[1] += r.ms
+        b[2] += fl[r.op]
+    lines.append("coarse: " + "; ".join(f"{k} {v[1]:.3f} ms ({100 * v[1] / busy:.1f}%, n {v[0]:.0f}, floor {v[2]:.3f})"
+                                        for k, v in sorted(buckets.items(), key=lambda kv: -kv[1][1])))
     # by pass
     passes = collections.defaultdict(float)
     for r in rows:
@@ -580,7 +608,7 @@ def variant_table(name: str, rows: list[OpRow], meta: dict, top: int = 40) -> st
     lines += [head, "-" * len(head)]
     for r in rows[:top]:
         f = fl[r.op]
-        k = r.kernels.most_common(1)[0][0] + (f" (+{len(r.kernels) - 1})" if len(r.kernels) > 1 else "")
+        k = r.main_kernel + (f" (+{len(r.kernels) - 1})" if len(r.kernels) > 1 else "")
         lines.append(f"{_short(r.op, 28):<28} {_short(r.info.category, 28):<28} {r.info.phase or '-':<13} "
                      f"{r.count:3.0f} {r.ms:7.3f} {100 * r.ms / busy:5.1f} {f:7.3f} {r.info.bound:<5} "
                      f"{(f / r.ms if r.ms else 0):5.2f}  {_short(r.info.detail, 34):<34} "
@@ -591,12 +619,23 @@ def variant_table(name: str, rows: list[OpRow], meta: dict, top: int = 40) -> st
     return "\n".join(lines) + "\n"
 
 
+def _bucket(info: OpInfo) -> str:
+    if info.kind == "gemm":
+        return f"{'lora' if ' lora ' in info.category else 'base'} gemm {'f32/tf32' if 'f32' in info.category else 'bf16'}"
+    if info.kind == "attention":
+        return "attention"
+    if info.kind in ("elementwise", "reduction", "convert", "copy"):
+        return "memory passes"
+    return "other"
+
+
 def _f(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
 
 def rows_json(rows: list[OpRow]) -> list[dict]:
     return [{"op": r.op, "count_per_step": r.count, "ms_per_step": r.ms, "kernels": dict(r.kernels),
+             "kernel_ms_per_step": dict(r.kernel_ms), "launches_per_step": r.launches,
              "floor_ms_per_step": r.info.floor_s * 1e3 * r.count, **dataclasses.asdict(r.info)} for r in rows]
 
 
@@ -809,7 +848,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = []
     for name in names:
         print(f"# profiling {name!r} ({sizes}) ...", flush=True)
-        v = profile_variant(name, sizes, steps=a.steps, warmup=a.warmup, repeats=a.repeats, work_dir=work)
+        try:
+            v = profile_variant(name, sizes, steps=a.steps, warmup=a.warmup, repeats=a.repeats, work_dir=work)
+        except Exception as e:  # noqa: BLE001 - the other variants still get their table
+            import traceback
+
+            traceback.print_exc()
+            print(f"# {name!r} failed: {type(e).__name__}: {e}", flush=True)
+            continue
         print(variant_table(name, v["rows"], v["meta"], a.top), flush=True)
         variants.append(v)
     if a.artifacts:

@@ -60,7 +60,7 @@ ENTRY %main.1 (x.1: bf16[8192,2048], w.1: bf16[2048,2048], dy.1: f32[8192,2048],
   %input_rsqrt_fusion = f32[8192]{0} fusion(%x.1), kind=kInput, calls=%fused_rms, metadata={op_name="jit(fwd_bwd)/jvp()/rsqrt" stack_frame_id=3}
   %loop_convert_fusion.2 = f32[2048,2048]{1,0} fusion(%w.1), kind=kLoop, calls=%fused_convert, metadata={op_name="jit(fwd_bwd)/transpose(jvp())/convert_element_type" stack_frame_id=1}
   %custom-call.5 = (f32[8192,2048]{1,0}, s8[4194304]{0}) custom-call(%dy.1, %loop_convert_fusion.2), custom_call_target="__cublas$gemm", metadata={op_name="jit(fwd_bwd)/transpose(jvp())/dot_general" stack_frame_id=1}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
-  %custom-call.7 = (bf16[4,16,2048,128]{3,1,2,0}, f32[4,16,2048]{2,1,0}, u8[0]{0}) custom-call(%q.1, %k.1, %v.1), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(fwd_bwd)/jvp()/dot_product_attention" stack_frame_id=2}, backend_config={"cudnn_fmha_backend_config":{"bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]},"mask_type":"CAUSAL"}}
+  %custom-call.7 = (bf16[4,16,2048,128]{3,1,2,0}, f32[4,16,2048]{2,1,0}, u8[0]{0}) custom-call(%q.1, %k.1, %v.1), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(fwd_bwd)/jvp()/dot_product_attention" stack_frame_id=2}, backend_config={"cudnn_fmha_backend_config":{"bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]},"intermediate_tensor_shape":{"dimensions":["4","16","2048","2048"],"element_type":"BF16"},"mask_type":"CAUSAL"}}
   ROOT %get-tuple-element.1 = f32[8192,2048]{1,0} get-tuple-element(%custom-call.5), index=0
 }
 """
@@ -72,7 +72,7 @@ def test_parse_hlo_and_describe():
     assert [f for f, _, _ in mod.frame_chain(3)] == ["/x/jaxgrad/ops/rmsnorm.py"]
 
     gemm = lp.describe(mod, "custom-call.5")
-    assert gemm.kind == "gemm" and gemm.category == "cuBLAS gemm base f32"
+    assert gemm.kind == "gemm" and gemm.category == "cuBLAS gemm base f32/tf32"
     assert gemm.flops == 2.0 * 8192 * 2048 * 2048
     assert gemm.bytes == 4 * (8192 * 2048 + 2048 * 2048) + 4 * 8192 * 2048  # workspace not counted
     assert gemm.phase == "bwd" and gemm.bound == "flops"
@@ -81,7 +81,7 @@ def test_parse_hlo_and_describe():
     att = lp.describe(mod, "custom-call.7")
     assert att.category == "cuDNN attention fwd"
     assert att.flops == 4.0 * 4 * 16 * (2048 * 2049 / 2) * 128
-    assert "causal" in att.detail
+    assert att.detail == "B=4 Hq=16 T=2048 S=2048 d=128 causal"
 
     norm = lp.describe(mod, "input_rsqrt_fusion")
     assert norm.kind == "reduction" and norm.category == "rmsnorm reduction"
@@ -108,6 +108,10 @@ def _gpu_trace(tmp_path: pathlib.Path) -> pathlib.Path:
         ev += [
             {"ph": "X", "pid": 2, "tid": 7, "ts": t, "dur": 300.0, "name": "sm90_xmma_gemm_f32f32_tf32",
              "args": {"hlo_op": "custom-call.5", "hlo_module": "jit_fwd_bwd"}},
+            {"ph": "X", "pid": 2, "tid": 7, "ts": t + 300, "dur": 2.0, "name": "Memset 3",
+             "args": {"hlo_op": "custom-call.5", "hlo_module": "jit_fwd_bwd"}},
+            {"ph": "X", "pid": 2, "tid": 7, "ts": t + 303, "dur": 2.0, "name": "Memset 3",
+             "args": {"hlo_op": "custom-call.5", "hlo_module": "jit_fwd_bwd"}},
             {"ph": "X", "pid": 2, "tid": 7, "ts": t + 400, "dur": 20.0, "name": "loop_convert_fusion_2", "args": {}},
             {"ph": "X", "pid": 2, "tid": 7, "ts": t + 450, "dur": 5.0, "name": "MemcpyD2D", "args": {}},
             {"ph": "X", "pid": 2, "tid": 7, "ts": t + 500, "dur": 50.0, "name": "other_module_kernel",
@@ -130,14 +134,16 @@ def test_gpu_trace_events_and_table(tmp_path):
     assert "Stream #7(Compute)" in which and "XLA Ops" not in which
     by_op = {r.op: r for r in rows}
     assert set(by_op) == {"custom-call.5", "loop_convert_fusion.2", "[MemcpyD2D]"}
-    assert by_op["custom-call.5"].ms == pytest.approx(0.3) and by_op["custom-call.5"].count == 1
+    gemm = by_op["custom-call.5"]  # one execution per step: its two memsets are not executions
+    assert gemm.ms == pytest.approx(0.304) and gemm.count == 1 and gemm.launches == 3
+    assert gemm.main_kernel == "sm90_xmma_gemm_f32f32_tf32"
     assert by_op["loop_convert_fusion.2"].info.category == "vjp-bwd convert"  # matched by kernel name
     assert by_op["[MemcpyD2D]"].info.category == "memcpy/memset"
     table = lp.variant_table("v", rows, {"median_ms": 0.4, "profiled_median_ms": 0.4, "steps": 2,
                                          "profiled_with": "test", "events_from": which})
-    assert "cuBLAS gemm base f32" in table and "vjp-bwd convert" in table
+    assert "cuBLAS gemm base f32/tf32" in table and "vjp-bwd convert" in table
     gap_line = next(ln for ln in table.splitlines() if ln.startswith("GPU busy"))
-    assert "0.325 ms" in gap_line  # (300 + 20 + 5) us per step
+    assert "0.329 ms" in gap_line  # (300 + 2 + 2 + 20 + 5) us per step
 
 
 def test_script_on_cpu_small_block(tmp_path):
