@@ -22,7 +22,8 @@ json; no xprof / tensorboard plugin needed) and the executable's optimised HLO t
   elementwise), and the source of its instructions (the ``StackFrames`` JAX records: ``jaxgrad/ops/rmsnorm.py``
   -> rmsnorm, ``rope.py`` -> rope, ``swiglu.py`` -> swiglu, ``lora_linear.py`` -> lora_linear, ...), and which
   pass: fwd, bwd, or the custom VJP's recomputed forward in the backward (``_block_bwd`` -> ``_recompute``).
-  A gemm is "lora" when one of M, N, K is <= 64 (r = 16 at the benchmark shape), else "base".
+  A gemm is "lora" when one of M, N, K is <= 128 (r = 16 at the benchmark shape; XLA concatenates adapters
+  that share an input, e.g. 2 x 8192 x 96 x 1024), else "base".
 * Floor of each op: ``max(flops / 790 TFLOP/s, bytes / 3.35 TB/s)``; bytes = the op's operand and result buffers
   (workspace outputs of custom calls excluded), read / written once; flops = ``2 M N K`` for a gemm (its
   dimension numbers), ``4 B Hq pairs d`` (fwd) / ``8 B Hq pairs d`` (bwd) for attention (``pairs = T (T + 1) / 2``
@@ -59,7 +60,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 
 MATMUL_FLOPS = 790e12  # bf16 dense, what large cuBLAS GEMMs sustain on an H100 SXM (data sheet: 989e12)
 HBM_BYTES = 3.35e12  # H100 SXM HBM3
-SKINNY = 64  # a gemm with M, N or K <= this is a LoRA (rank-r) product
+SKINNY = 128  # a gemm with M, N or K <= this is a LoRA product (r = 16; XLA merges up to 7 adapters: 112)
 DEFAULT_VARIANTS = ("custom_vjp cudnn", "jax.grad(reference) cudnn")
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
