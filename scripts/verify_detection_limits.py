@@ -10,7 +10,9 @@ each of ``--trials`` random problems: a correct kernel at that precision is run,
 the float64 oracle and K rounding samples of the reference are taken (``leaf_errors``), and the leaf is judged by
 ``leaf_statistics`` with planted scale errors ``(1 + s) g`` for every ``s`` of ``--scales``, and with an error
 confined to the last 1% of the entries (10 modelled standard deviations each, kink jumps included). "Caught" means
-caught in every trial. The correct kernel (``s = 0``) must pass in every trial: its failures are false alarms.
+caught in every trial. Each row also gives the floor the kernel's own rounding puts under *any* scale test at the
+same false-alarm rate (``ideal_limit``: the Cramer-Rao spread of the best unbiased scale estimate, known exactly,
+caught in all trials with probability 0.95), so a limit above a target can be told apart from a weak test. The correct kernel (``s = 0``) must pass in every trial: its failures are false alarms.
 
 Writes ``benchmarks/results/verify-detection-<device>-<stamp>.{json,txt}`` (header: device, versions, commit,
 command line) unless ``--no-write``.
@@ -22,6 +24,7 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import pathlib
@@ -53,6 +56,10 @@ def judge(err, s_values, precision, rng, lowest=0):
         return leaf_statistics(e, err.replicas, err.oracle, precision, err.kink, null=null)
 
     base = judged(e0)
+    # Cramer-Rao: with independent Gaussian entries of variance v_i, no unbiased estimate of s in e = e0 + s g*
+    # has a spread below 1 / sqrt(sum g*_i^2 / v_i): the floor that this kernel's rounding puts under any scale test
+    go = np.asarray(err.oracle, np.float64).reshape(-1)
+    sigma_cr = 1.0 / math.sqrt(float(np.sum(go * go / null.v.reshape(-1))))
     caught = [False] * len(s_values)
     for i in range(len(s_values) - 1, lowest - 1, -1):
         caught[i] = not judged(e0 + s_values[i] * g).passed
@@ -65,7 +72,7 @@ def judge(err, s_values, precision, rng, lowest=0):
     sign = np.sign(rng.standard_normal(n_bad))
     flat[-n_bad:] += 10.0 * np.sqrt(v[-n_bad:]) * sign
     confined = not judged(flat.reshape(e0.shape)).passed
-    return caught, base, confined
+    return caught, base, confined, sigma_cr
 
 
 def _group(job) -> dict:
@@ -74,6 +81,7 @@ def _group(job) -> dict:
     t0 = time.time()
     caught_all = np.ones(len(a.scales), bool)
     false_alarms, confined, entries, kinks, undetermined = 0, 0, 0, 0, 0
+    sigmas = []  # per trial: (the scale test's sigma_beta, the Cramer-Rao spread)
     for trial in range(a.trials):
         rng = np.random.default_rng([a.seed, trial, size, OPS.index(op)])
         if a.hardware:  # the reference as the GPU runs it: TF32 dots/convs for f32 arrays, bf16 arrays in bf16
@@ -83,7 +91,8 @@ def _group(job) -> dict:
             case = make_case(op, size, precision, rng)
         err = leaf_errors(case, precision, a.replicas, rng)
         missed = [i for i, c in enumerate(caught_all) if not c]
-        caught, base, conf = judge(err, a.scales, precision, rng, lowest=(max(missed) + 1) if missed else 0)
+        caught, base, conf, sigma_cr = judge(err, a.scales, precision, rng, lowest=(max(missed) + 1) if missed else 0)
+        sigmas.append((base.beta_sigma, sigma_cr))
         undetermined += base.undetermined
         caught_all &= np.asarray(caught)
         false_alarms += not base.passed
@@ -91,12 +100,25 @@ def _group(job) -> dict:
         entries = err.error.size
         kinks += err.kink is not None
     limit = next((s for i, s in enumerate(a.scales) if caught_all[i:].all()), None)
+    sig_beta, sig_cr = np.median(np.asarray(sigmas), axis=0)
     return {"op": op, "precision": precision, "size": size, "entries": entries, "trials": a.trials, "kinks": kinks > 0,
             "hardware": bool(a.hardware),
             "smallest_scale_caught_in_all": limit,
             "caught_in_all": {str(s): bool(c) for s, c in zip(a.scales, caught_all)},
             "false_alarms": false_alarms, "confined_1pct_10sigma_caught": confined, "undetermined": undetermined,
+            "sigma_beta_median": float(sig_beta), "sigma_cramer_rao_median": float(sig_cr),
+            "ideal_limit": ideal_limit(float(sig_cr), a.trials),
             "seconds": round(time.time() - t0, 1)}
+
+
+def ideal_limit(sigma: float, trials: int, alpha: float = FALSE_ALARM_RATE / 4) -> float:
+    """The scale error that a test *knowing* the rounding spread ``sigma`` of the best unbiased scale estimate
+    catches in all ``trials`` with probability 0.95, at the scale test's two-sided false-alarm rate ``alpha``:
+    ``(z_{1-alpha/2} + z_{1-0.05/trials}) sigma``. Below it no scale test at that rate can meet "caught in every
+    trial" on this kernel's rounding (under the verifier's model: independent Gaussian entries)."""
+    from scipy import stats as sps
+
+    return float((sps.norm.isf(alpha / 2) + sps.norm.isf(0.05 / trials)) * sigma)
 
 
 def main(argv=None) -> int:
@@ -156,8 +178,9 @@ def main(argv=None) -> int:
               f"{row['trials']} from {lim if lim is not None else '-'}; confined 1% @10 sigma "
               f"{row['confined_1pct_10sigma_caught']}/{row['trials']}; false alarms {row['false_alarms']}/"
               f"{row['trials']}{' (ReLU kinks)' if row['kinks'] else ''}"
-              f"{'; undetermined %d/%d' % (row['undetermined'], row['trials']) if row.get('undetermined') else ''} "
-              f"[{row['seconds']} s]", flush=True)
+              f"{'; undetermined %d/%d' % (row['undetermined'], row['trials']) if row.get('undetermined') else ''}; "
+              f"ideal {row['ideal_limit']:.2g} (sigma_beta {row['sigma_beta_median']:.2g}, Cramer-Rao "
+              f"{row['sigma_cramer_rao_median']:.2g}) [{row['seconds']} s]", flush=True)
     env = environment()
     total_fa = sum(r["false_alarms"] for r in rows)
     total_runs = sum(r["trials"] for r in rows)
@@ -183,12 +206,13 @@ def main(argv=None) -> int:
                  f"caught in all {a.trials} trials; precisions other than the platform's are emulated "
                  "(reduce_precision on operands, f32 accumulation)",
                  f"{'op':10s} {'prec':5s} {'entries':>8s} {'kinks':5s} {'limit':>8s} {'confined1%@10sd':>15s} "
-                 f"{'false alarms':>12s}"]
+                 f"{'false alarms':>12s} {'ideal':>8s} {'sigma_beta':>10s} {'sigma_CR':>9s}"]
         for r in rows:
             lim = r["smallest_scale_caught_in_all"]
             lines.append(f"{r['op']:10s} {r['precision']:5s} {r['entries']:8d} {'yes' if r['kinks'] else 'no':5s} "
                          f"{lim if lim is not None else '-':>8} {r['confined_1pct_10sigma_caught']:>7d}/"
-                         f"{r['trials']:<7d} {r['false_alarms']:>5d}/{r['trials']}"
+                         f"{r['trials']:<7d} {r['false_alarms']:>5d}/{r['trials']:<6d} {r['ideal_limit']:8.2g} "
+                         f"{r['sigma_beta_median']:10.2g} {r['sigma_cramer_rao_median']:9.2g}"
                          + (f"  (undetermined {r['undetermined']}/{r['trials']})" if r.get("undetermined") else ""))
         lines.append(f"# false alarms: {total_fa} in {total_runs}")
         stem.with_suffix(".txt").write_text("\n".join(lines) + "\n")

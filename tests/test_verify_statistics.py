@@ -126,7 +126,8 @@ def test_a_1_percent_scale_at_bf16_is_caught_in_a_64_entry_leaf():
     assert rep.precision.precision == "bf16"
     assert not w.passed and "scale" in w.stats.failed, str(rep)
     assert w.per_entry_passed  # invisible to the sum-of-|terms| bound
-    assert "scaled by 1.01" in w.verdict
+    assert "scaled by 1.0" in w.verdict  # the estimate is the planted 1% within its rounding spread:
+    assert abs(w.stats.beta - 0.01) < 4 * w.stats.beta_sigma, str(rep)
 
 
 def test_a_0_2_percent_scale_at_tf32_is_caught():
