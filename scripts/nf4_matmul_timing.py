@@ -35,16 +35,18 @@ from jaxgrad import benchmarking as bm
 from jaxgrad.lora.nf4 import nf4_absmax, nf4_dequantize, nf4_quantize
 from jaxgrad.ops.nf4_matmul import _dequant_xla, nf4_matmul_dx_pallas, nf4_matmul_fwd_pallas
 
-OLD = dict(path="general", block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2, f32_split=False)
-# (block_m, block_n, block_k, num_warps, num_stages) tried by --sweep; the default config is always timed
-SWEEP = [(128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-         (64, 128, 64, 4, 3)]
+OLD = dict(path="general", block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2, f32_split=False,
+           lut="gather")
+# (block_m, block_n, block_k, num_warps, num_stages) tried by --sweep (tiled path, lut=select); the default config
+# is always timed. For dx, block_n bounds the output's K tile and block_k the O loop's.
+SWEEP = [(256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 4, 3),
+         (128, 256, 64, 8, 3), (64, 256, 64, 4, 3), (256, 64, 64, 8, 3), (64, 128, 32, 4, 4)]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=8192)
-    p.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configurations and lut=select")
+    p.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configurations, lut=gather and the general path")
     p.add_argument("--no-old", action="store_true", help="skip the old (issue #13) kernel")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new variants after this")
     p.add_argument("--out", default="benchmarks/results")
@@ -101,19 +103,21 @@ def main(argv=None) -> int:
         for prob, (act, ref, xla_fn, bf16_fn, bf16_args, kfn) in problems.items():
             variants = [("xla dequant+dot", jax.jit(xla_fn), (act, packed, absmax)),
                         ("bf16 dot (dense bf16 W)", jax.jit(bf16_fn), bf16_args),
-                        ("kernel default (tiled, lut=gather)", kern(kfn), (act, packed, absmax))]
+                        ("kernel default (tiled, lut=select)", kern(kfn), (act, packed, absmax))]
             if prob.startswith("dx"):
                 variants.append(("kernel default, f32 dot at HIGHEST (no bf16 split)", kern(kfn, f32_split=False),
                                  (act, packed, absmax)))
             if args.sweep:
-                variants.append(("kernel default, lut=select", kern(kfn, lut="select"), (act, packed, absmax)))
+                variants.append(("kernel default, lut=gather", kern(kfn, lut="gather"), (act, packed, absmax)))
                 for cfg in SWEEP:
                     bmm, bnn, bkk, nw, ns = cfg
-                    variants.append((f"kernel tiled {bmm}x{bnn}x{bkk} w{nw} s{ns}",
+                    variants.append((f"kernel tiled select {bmm}x{bnn}x{bkk} w{nw} s{ns}",
                                      kern(kfn, block_m=bmm, block_n=bnn, block_k=bkk, num_warps=nw, num_stages=ns),
                                      (act, packed, absmax)))
-                variants.append(("kernel general path, 64^3 w4 s2, bf16 split", kern(kfn, **(OLD | dict(
+                variants.append(("kernel general path, 64^3 w4 s2, bf16 split, gather", kern(kfn, **(OLD | dict(
                     f32_split=True))), (act, packed, absmax)))
+                variants.append(("kernel general path, 64^3 w4 s2, bf16 split, select", kern(kfn, **(OLD | dict(
+                    f32_split=True, lut="select"))), (act, packed, absmax)))
             if not args.no_old:
                 variants.append(("kernel OLD (general, 64^3, w4 s2, f32 HIGHEST)", kern(kfn, **OLD),
                                  (act, packed, absmax)))

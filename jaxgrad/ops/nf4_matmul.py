@@ -28,17 +28,21 @@ for f64 ``x``); the output is rounded once.
 Double quantisation: the second level only touches the ``n/B`` absmax values, so it is decoded outside the kernel
 (:func:`jaxgrad.lora.nf4.nf4_absmax`, two roundings as bitsandbytes) and the kernel gets float32 absmax either way.
 
-On a GPU these are Triton kernels (``jaxgrad.pallas_backend``). The code lookup is a gather from the 16-entry table
-(``lut="gather"``; ``"select"``: a 15-select tree). f32 x f32 dots ask for ``HIGHEST`` so Triton does not drop to
-TF32 (Triton runs them on CUDA cores, not tensor cores). Where f32 activations meet a weight rounded to bf16 (the
-LoRA block's fp32 ``dY`` against its bf16 forward's weight) the dot is three bf16 tensor-core passes over an exact
-three-way bf16 split of the f32 operand: the same products, exact in f32, summed in f32 (``f32_split``).
+On a GPU these are Triton kernels (``jaxgrad.pallas_backend``). The code lookup is a 15-select tree on the four
+bits (``lut="select"``; ``"gather"``: a pointer gather from the 16-entry table, ~4x slower in the tiled kernels on
+an H100). f32 x f32 dots ask for ``HIGHEST`` so Triton does not drop to TF32 (Triton then runs them on CUDA cores,
+not tensor cores). Where f32 activations meet a weight rounded to bf16 (the LoRA block's fp32 ``dY`` against its
+bf16 forward's weight) the dot is three bf16 tensor-core passes over an exact three-way bf16 split of the f32
+operand: the same products, exact in f32, summed in f32 (``f32_split``).
 
-Issue #13 (1005 ms for the block's fwd+bwd against 7.48 ms on XLA, H100): the general path was the only one, with
-64x64x64 tiles: every program re-read its ``W`` tile by per-element byte, scale and code gathers (``M/64`` times
-over the whole weight), and the block's fp32 ``dY W`` ran as a Triton ``HIGHEST`` f32 dot on CUDA cores.
-``scripts/nf4_matmul_timing.py`` times both against XLA and a plain bf16 dot. Mosaic GPU (wgmma) versions are the
-next step for the matmul-bound shapes.
+Issue #13 (1005 ms for the LoRA block's fwd+bwd against 7.48 ms on XLA, H100). Measured per kernel at the block's
+MLP shapes (``scripts/nf4_matmul_timing.py``, ``benchmarks/results/nf4-matmul-timing-*``): the old kernel (the
+general path only, 64x64x64 tiles, code gather, f32 ``HIGHEST``) spent ~225 ms per fp32 ``dY W`` (Triton's f32
+``HIGHEST`` dot on CUDA cores; the block runs seven) and ~12.7 ms per bf16 forward (per-element byte / scale / code
+gathers, the ``W`` tile re-dequantised ``M / 64`` times), against 0.5-0.8 ms for XLA's dequantise + dot. Still
+dequantisation-bound at 8192 rows: each program dequantises its own ``W`` tile, which a Triton kernel cannot keep in
+shared memory across row blocks; a Mosaic GPU (wgmma) kernel that stages a dequantised ``W`` panel in shared memory
+is the next step for the matmul-bound shapes.
 """
 
 from __future__ import annotations
@@ -73,20 +77,21 @@ def nf4_matmul_reference(x: jax.Array, w: NF4Weight) -> jax.Array:
 _CODE32 = tuple(np.float32(c) for c in NF4_CODE)  # Python-side float32 constants (kernels close over no arrays)
 
 
-def _code_lookup(q, code_ref, lut):
-    """``NF4_CODE[q]`` in float32 for int32 ``q`` in [0, 16): a pointer gather from the 16-entry table
-    (``lut="gather"``) or a 15-select tree on the four bits (``lut="select"``, no memory access)."""
+def _code_lookup(q, code_ref, lut, shift=0):
+    """``NF4_CODE[(q >> shift) & 15]`` in float32 for int32 ``q``: a pointer gather from the 16-entry table
+    (``lut="gather"``) or a 15-select tree on the four bits (``lut="select"``, no memory access; the bits are
+    tested in place, so a byte's two nibbles need no shift or mask first)."""
     if lut == "gather":
-        return code_ref[q]
+        return code_ref[(q >> shift) & 0xF]
     vals = list(_CODE32)
     for bit in range(4):  # level b picks between entries differing in bit b: 8, 4, 2, 1 selects
-        on = (q & (1 << bit)) != 0
+        on = (q & (1 << (bit + shift))) != 0
         vals = [jnp.where(on, vals[2 * i + 1], vals[2 * i]) for i in range(len(vals) // 2)]
     return vals[0]
 
 
 def _dequant_tile(packed_ref, absmax_ref, code_ref, o_idx, k_idx, mask, *, in_features, log2_block, dtype,
-                  lut="gather"):
+                  lut="select"):
     """General path: ``W[o_idx, k_idx]`` (broadcast shapes) in ``dtype``, 0 where ``mask`` is False, from per-element
     flat indices into the packed codes (any K, rows starting mid-byte, blocks straddling rows)."""
     f = jnp.where(mask, o_idx * in_features + k_idx, 0)  # flat index; masked lanes point at element 0 (in bounds)
@@ -111,8 +116,8 @@ def _dequant_rows(packed_ref, absmax_ref, code_ref, r0, nr, c0, nc, *, out_f, in
     a = pb.masked_load(absmax_ref.at[pl.ds(r0, nr), pl.ds(c0 // blocksize, na)], amask)  # 0 outside: W = 0 there
     if na > 1:  # each scale covers blocksize/2 bytes of the row
         a = jnp.broadcast_to(a[:, :, None], (nr, na, blocksize // 2)).reshape(nr, half)
-    hi = (_code_lookup(byte >> 4, code_ref, lut) * a).astype(dtype)  # float32 code * absmax, one rounding
-    lo = (_code_lookup(byte & 0xF, code_ref, lut) * a).astype(dtype)
+    hi = (_code_lookup(byte, code_ref, lut, shift=4) * a).astype(dtype)  # float32 code * absmax, one rounding
+    lo = (_code_lookup(byte, code_ref, lut) * a).astype(dtype)
     return jnp.stack([hi, lo], axis=-1).reshape(nr, nc)  # k = 2j from the high nibble, 2j + 1 from the low one
 
 
@@ -264,19 +269,23 @@ def _call(kernel, act, packed, absmax, out_cols, red_cols, blocks, name, interpr
     )(act, packed, absmax, code)
 
 
-#: Defaults (block_m, block_n, block_k, num_warps, num_stages) per path; ``block_*`` are upper bounds.
-TILED_DEFAULTS = (128, 128, 64, 8, 3)
-GENERAL_DEFAULTS = (64, 64, 64, 4, 2)
+#: Defaults (block_m, block_n, block_k, num_warps, num_stages) per path and kernel (forward, dx); ``block_*`` are
+#: upper bounds. Chosen from ``scripts/nf4_matmul_timing.py --sweep`` on an H100 at the LoRA block's MLP shapes
+#: (8192 rows, 2048 x 5632): the tiled kernels are bound by dequantisation (each program re-dequantises its W tile,
+#: ``M / block_m`` times over the weight), so the forward takes 256 rows; the dx kernel, three bf16 passes per
+#: tile, takes 64 rows and 4 warps.
+TILED_DEFAULTS = {"fwd": (256, 128, 64, 8, 3), "dx": (64, 128, 64, 4, 3)}
+GENERAL_DEFAULTS = {"fwd": (64, 64, 64, 4, 2), "dx": (64, 64, 64, 4, 2)}
 
 
-def _config(shape, blocksize, path, block_m, block_n, block_k, num_warps, num_stages):
+def _config(kind, shape, blocksize, path, block_m, block_n, block_k, num_warps, num_stages):
     if path not in (None, "tiled", "general"):
         raise ValueError(f"nf4_matmul: path must be None, 'tiled' or 'general', got {path!r}")
     tiled = tiled_path_applies(shape, blocksize) if path is None else path == "tiled"
     if tiled and not tiled_path_applies(shape, blocksize):
         raise ValueError(f"nf4_matmul: the tiled path needs K even and a multiple of the blocksize; got shape "
                          f"{tuple(shape)}, blocksize {blocksize}")
-    d = TILED_DEFAULTS if tiled else GENERAL_DEFAULTS
+    d = (TILED_DEFAULTS if tiled else GENERAL_DEFAULTS)[kind]
     pick = lambda v, i: d[i] if v is None else v  # noqa: E731
     return (tiled, pick(block_m, 0), pick(block_n, 1), pick(block_k, 2), pick(num_warps, 3),
             pick(num_stages, 4))
@@ -290,7 +299,7 @@ def _blocks(n, a, b, block_m, block_n, block_k, tiled):
 
 
 def nf4_matmul_fwd_pallas(x, packed, absmax, shape, blocksize, *, interpret=None, block_m=None, block_n=None,
-                          block_k=None, w_dtype=None, out_dtype=None, path=None, lut="gather", f32_split=True,
+                          block_k=None, w_dtype=None, out_dtype=None, path=None, lut="select", f32_split=True,
                           num_warps=None, num_stages=None):
     """Kernel ``x @ W^T`` (x ``[..., K]``, ``shape = (O, K)``) from packed codes and float32 absmax.
 
@@ -302,7 +311,7 @@ def nf4_matmul_fwd_pallas(x, packed, absmax, shape, blocksize, *, interpret=None
     bf16-rounded weight runs as three bf16 tensor-core passes (exact products) instead of an f32 ``HIGHEST`` dot.
     ``block_*`` (upper bounds, powers of two), ``num_warps``, ``num_stages``: ``None`` takes the path's defaults."""
     out_f, in_f = shape
-    tiled, block_m, block_n, block_k, nw, ns = _config(shape, blocksize, path, block_m, block_n, block_k,
+    tiled, block_m, block_n, block_k, nw, ns = _config("fwd", shape, blocksize, path, block_m, block_n, block_k,
                                                        num_warps, num_stages)
     x2 = x.reshape(-1, in_f)
     bm, bn, bk = _blocks(x2.shape[0], out_f, in_f, block_m, block_n, block_k, tiled)
@@ -316,14 +325,14 @@ def nf4_matmul_fwd_pallas(x, packed, absmax, shape, blocksize, *, interpret=None
 
 
 def nf4_matmul_dx_pallas(g, packed, absmax, shape, blocksize, *, interpret=None, block_m=None, block_n=None,
-                         block_k=None, w_dtype=None, out_dtype=None, path=None, lut="gather", f32_split=True,
+                         block_k=None, w_dtype=None, out_dtype=None, path=None, lut="select", f32_split=True,
                          num_warps=None, num_stages=None):
     """Kernel ``g @ W`` (g ``[..., O]``): x's gradient of ``x @ W^T``. ``w_dtype`` (default g's): the rounding of the
     dequantised weight, i.e. the forward's activation dtype when ``g`` is wider (the LoRA block's fp32 ``dY`` with a
     bf16 forward: the gradient of the bf16-rounded weight the forward used); ``out_dtype`` default g's. The other
     options as :func:`nf4_matmul_fwd_pallas` (``block_n`` bounds the output's K tile, ``block_k`` the O loop's)."""
     out_f, in_f = shape
-    tiled, block_m, block_n, block_k, nw, ns = _config(shape, blocksize, path, block_m, block_n, block_k,
+    tiled, block_m, block_n, block_k, nw, ns = _config("dx", shape, blocksize, path, block_m, block_n, block_k,
                                                        num_warps, num_stages)
     g2 = g.reshape(-1, out_f)
     bm, bk, bo = _blocks(g2.shape[0], in_f, out_f, block_m, block_n, block_k, tiled)
