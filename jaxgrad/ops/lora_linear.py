@@ -14,7 +14,9 @@ Shapes: ``x [..., in]``, frozen ``W [out, in]``, ``A [r, in]``, ``B [out, r]``, 
 There is no :math:`\bar W`: ``W`` is frozen, i.e. treated as ``stop_gradient(W)`` (its cotangent is zero, in the
 reference too). ``W + s B A`` is never formed. The backward saves ``x``, ``W``, ``A``, ``B`` (inputs, no new memory)
 and the dropout *key*, not the mask: it regenerates the same mask from the key and recomputes ``U`` (rank r, cheap).
-Matmuls accumulate in ``promote_types(dtype, float32)``; the output is rounded once to ``x``'s dtype.
+Matmuls take their operands in ``x``'s dtype (the backward rounds the incoming fp32 :math:`\bar Y` to it once, and
+``U`` and ``G`` once for :math:`\bar B` and :math:`\bar A`) and accumulate in ``promote_types(dtype, float32)``; the output is rounded once to
+``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -72,17 +74,20 @@ def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=Non
     cdt = _cdt(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    dy2 = dy.reshape(-1, dy.shape[-1]).astype(cdt)
+    # The products take dY in the layer's own dtype: a bf16 layer multiplies bf16 operands with fp32 accumulation
+    # (tensor cores at full rate, half the bytes of an fp32 dY), as PEFT's bf16 autograd does; the sums that follow
+    # stay in fp32. An f32 / f64 layer is unchanged (dY is already in its dtype).
+    dy2 = dy.reshape(-1, dy.shape[-1]).astype(x.dtype)
     # dX = dY W  (+ the LoRA term below)
-    dx = jnp.matmul(dy2, w.astype(cdt)) if dyw is None else dyw.reshape(dy2.shape[0], -1).astype(cdt)
+    dx = _mm(dy2, w.T, cdt) if dyw is None else dyw.reshape(dy2.shape[0], -1).astype(cdt)
     if a is None:
         return dx.reshape(*lead, -1).astype(dx_dtype or x.dtype), None, None
     xd = x2 if keep_scale is None else x2 * keep_scale.reshape(x2.shape).astype(x.dtype)
     u = _mm(xd, a, cdt)  # U = drop(X) A^T, recomputed
-    g = jnp.matmul(dy2, b.astype(cdt))  # G = dY B
+    g = _mm(dy2, b.astype(x.dtype).T, cdt)  # G = dY B
     # dA = s G^T drop(X) ; dB = s dY^T U
-    da = scale * jnp.matmul(g.T, xd.astype(cdt))
-    db = scale * jnp.matmul(dy2.T, u)
+    da = scale * _mm(g.astype(x.dtype).T, xd.T, cdt)
+    db = scale * _mm(dy2.T, u.astype(x.dtype).T, cdt)
     # dX += s m * (G A)
     dlora = scale * jnp.matmul(g, a.astype(cdt))
     dx = dx + (dlora if keep_scale is None else dlora * keep_scale.reshape(x2.shape).astype(cdt))
