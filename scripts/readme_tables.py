@@ -307,25 +307,7 @@ def table_detection(results: pathlib.Path) -> list[str]:
         return ["(no `verify-detection-*.json` in `" + _rel(results) + "`)"]
     path, data = found
     env, rows = data.get("environment", {}), data.get("rows", [])
-    cells: dict[tuple[str, int], dict[str, dict]] = {}
-    for r in rows:
-        cells.setdefault((r["op"], r["size"]), {})[r["precision"]] = r
-    op_order = {op: i for i, op in enumerate(DETECTION_OPS)}
-    body = []
-    for (op, size), by_p in sorted(cells.items(), key=lambda kv: (op_order.get(kv[0][0], 99), kv[0][0], kv[0][1])):
-        any_row = next(iter(by_p.values()))
-        row = [DETECTION_OPS.get(op, op), str(any_row["entries"]), "yes" if any(r["kinks"] for r in by_p.values())
-               else "no"]
-        for p, _ in DETECTION_PRECISIONS:
-            r = by_p.get(p)
-            if r is None:
-                row.append("-")
-            elif r["smallest_scale_caught_in_all"] is None:
-                scales = [float(s) for s in r.get("caught_in_all", {})]
-                row.append(f"> {max(scales):g}" if scales else "not caught")
-            else:
-                row.append(f"{r['smallest_scale_caught_in_all']:g}")
-        body.append(row)
+    body = _detection_rows(rows)
     trials = sorted({r["trials"] for r in rows})
     summary = data.get("summary", {})
     commit = str(env.get("commit", "unknown"))[:7]
@@ -339,7 +321,60 @@ def table_detection(results: pathlib.Path) -> list[str]:
     if "false_alarms" in summary:
         lines += ["", f"The correct kernels of the same sweep: {summary['false_alarms']} false alarms in "
                       f"{summary.get('correct_runs', '?')} leaves."]
+    if any("ideal_limit" in r for r in rows):
+        lines += ["", "In parentheses: the floor that the kernel's own rounding puts under any scale test at this "
+                      "false-alarm rate (the Cramer-Rao spread of the best unbiased scale estimate, caught in every "
+                      "trial with probability 0.95; `ideal_limit` in the file)."]
+    # larger leaves than the table's (GPU sweeps: products emulated at HIGHEST there too), newest file per cell
+    top = max((r["size"] for r in rows), default=0)
+    large: dict[tuple[str, int, str], tuple[str, dict, pathlib.Path]] = {}
+    for p in results.glob("verify-detection-*.json"):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        stamp = _stamp(p, d.get("environment", {}))
+        for r in d.get("rows", []):
+            key = (r["op"], r["size"], r["precision"])
+            if r["size"] > top and not r.get("hardware") and (key not in large or large[key][0] < stamp):
+                large[key] = (stamp, r, p)
+    if large:
+        files = sorted({v[2].name for v in large.values()})
+        lines += ["", "Larger leaves (" + ", ".join(f"[`{f}`]({_rel(results / f)})" for f in files) + "; computed "
+                  "on the GPU with the products emulated at HIGHEST; "
+                  + "/".join(str(t) for t in sorted({v[1]["trials"] for v in large.values()})) + " trials):", ""]
+        lines += _table(["op (planted leaf)", "entries", "ReLU kinks"] + [lb for _, lb in DETECTION_PRECISIONS],
+                        _detection_rows([v[1] for v in large.values()]))
     return lines
+
+
+def _detection_rows(rows: list[dict]) -> list[list[str]]:
+    """One table row per (op, size): the smallest scale caught in all trials per precision, with the Cramer-Rao
+    floor in parentheses where the file has it."""
+    cells: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["op"], r["size"]), {})[r["precision"]] = r
+    op_order = {op: i for i, op in enumerate(DETECTION_OPS)}
+    body = []
+    for (op, size), by_p in sorted(cells.items(), key=lambda kv: (op_order.get(kv[0][0], 99), kv[0][0], kv[0][1])):
+        any_row = next(iter(by_p.values()))
+        row = [DETECTION_OPS.get(op, op), str(any_row["entries"]), "yes" if any(r["kinks"] for r in by_p.values())
+               else "no"]
+        for p, _ in DETECTION_PRECISIONS:
+            r = by_p.get(p)
+            if r is None:
+                row.append("-")
+                continue
+            if r["smallest_scale_caught_in_all"] is None:
+                scales = [float(s) for s in r.get("caught_in_all", {})]
+                cell = f"> {max(scales):g}" if scales else "not caught"
+            else:
+                cell = f"{r['smallest_scale_caught_in_all']:g}"
+            if "ideal_limit" in r:
+                cell += f" ({r['ideal_limit']:.1g})"
+            row.append(cell)
+        body.append(row)
+    return body
 
 
 # ------------------------------------------------------------------------------------------------ KAN fit

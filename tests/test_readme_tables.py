@@ -134,6 +134,32 @@ def test_detection_table_prefers_a_complete_emulated_sweep(fake_results):
     assert "verify-detection-fake-gpu-20260105-000000.json" in text and "softmax attention (q)" in text
 
 
+def test_detection_table_shows_the_cramer_rao_floor_and_larger_leaves(fake_results):
+    # a cell carries the kernel's own floor in parentheses; leaves larger than the table's (a GPU sweep) get a second
+    # table, the newest file per cell, never a hardware spot check; the complete sweep stays the main table
+    def write(name, stamp, size, limit, hardware=False):
+        rows = [{"op": "attention", "precision": "f16", "size": size, "entries": size, "trials": 20, "kinks": False,
+                 "hardware": hardware, "smallest_scale_caught_in_all": limit, "caught_in_all": {str(limit): True},
+                 "ideal_limit": limit / 4}]
+        (fake_results / name).write_text(json.dumps({"environment": {"datetime_utc": stamp, "commit": "c0ffee1"},
+                                                     "summary": {"replicas": 16}, "rows": rows}))
+
+    complete = [{"op": op, "precision": "tf32", "size": 64, "entries": 64, "trials": 20, "kinks": False,
+                 "smallest_scale_caught_in_all": 0.002, "caught_in_all": {"0.002": True}, "ideal_limit": 0.0004}
+                for op in ("dense", "conv_relu", "attention")]
+    (fake_results / "verify-detection-fake-cpu-20260107-000000.json").write_text(json.dumps(
+        {"environment": {"datetime_utc": "2026-01-07T00:00:00+00:00", "commit": "c0ffee1"},
+         "summary": {"replicas": 16, "model_false_alarm_rate_per_leaf": 1e-4}, "rows": complete}))
+    write("verify-detection-fake-gpu-20260108-000000.json", "2026-01-08T00:00:00+00:00", 262144, 0.005)
+    write("verify-detection-fake-gpu-20260109-000000.json", "2026-01-09T00:00:00+00:00", 262144, 0.002)
+    write("verify-detection-hardware-fake-gpu-20260110-000000.json", "2026-01-10T00:00:00+00:00", 262144, 0.3, True)
+    text = _render(fake_results, "detection")
+    assert "| dense (W) | 64 | no | - | 0.002 (0.0004) | - | - |" in text  # the complete sweep is the table
+    assert "Larger leaves" in text and "verify-detection-fake-gpu-20260109-000000.json" in text
+    assert "| softmax attention (q) | 262144 | no | - | - | 0.002 (0.0005) | - |" in text
+    assert "20260108" not in text and "0.3 (" not in text
+
+
 def test_check_mode_and_unknown_tables(fake_results, tmp_path):
     md = tmp_path / "doc.md"
     md.write_text("# doc\n<!-- table:detection begin -->\n<!-- table:detection end -->\n")
