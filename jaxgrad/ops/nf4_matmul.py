@@ -37,9 +37,12 @@ operand: the same products, exact in f32, summed in f32 (``f32_split``).
 
 Issue #13 (1005 ms for the LoRA block's fwd+bwd against 7.48 ms on XLA, H100). Measured per kernel at the block's
 MLP shapes (``scripts/nf4_matmul_timing.py``, ``benchmarks/results/nf4-matmul-timing-*``): the old kernel (the
-general path only, 64x64x64 tiles, code gather, f32 ``HIGHEST``) spent ~225 ms per fp32 ``dY W`` (Triton's f32
-``HIGHEST`` dot on CUDA cores; the block runs seven) and ~12.7 ms per bf16 forward (per-element byte / scale / code
-gathers, the ``W`` tile re-dequantised ``M / 64`` times), against 0.5-0.8 ms for XLA's dequantise + dot. Still
+general path only, 64x64x64 tiles, code gather, f32 ``HIGHEST``) spent 222-225 ms per fp32 ``dY W`` (Triton's f32
+``HIGHEST`` dot on CUDA cores; the block runs seven) and 12.3-12.7 ms per bf16 forward (per-element byte / scale / code
+gathers, the ``W`` tile re-dequantised ``M / 64`` times), against 0.5-0.8 ms for XLA's dequantise + dot. With the
+tiled path, the select lookup and the bf16 split (the pass-2 file ``...-090552``): forward 1.19-1.31 ms, dx
+3.11-3.18 ms per MLP-shape call (XLA 0.48-0.51 / 0.66-0.83 ms, a dense bf16 dot 0.39-0.43 ms); the block (``bench.py
+lora``, ``lora-nvidia-h100-80gb-hbm3-20261125-090357``) 24.7 ms against 6.03 ms for XLA's NF4 path. Still
 dequantisation-bound at 8192 rows: each program dequantises its own ``W`` tile, which a Triton kernel cannot keep in
 shared memory across row blocks; a Mosaic GPU (wgmma) kernel that stages a dequantised ``W`` panel in shared memory
 is the next step for the matmul-bound shapes.
@@ -270,10 +273,11 @@ def _call(kernel, act, packed, absmax, out_cols, red_cols, blocks, name, interpr
 
 
 #: Defaults (block_m, block_n, block_k, num_warps, num_stages) per path and kernel (forward, dx); ``block_*`` are
-#: upper bounds. Chosen from ``scripts/nf4_matmul_timing.py --sweep`` on an H100 at the LoRA block's MLP shapes
-#: (8192 rows, 2048 x 5632): the tiled kernels are bound by dequantisation (each program re-dequantises its W tile,
-#: ``M / block_m`` times over the weight), so the forward takes 256 rows; the dx kernel, three bf16 passes per
-#: tile, takes 64 rows and 4 warps.
+#: upper bounds. From ``scripts/nf4_matmul_timing.py --sweep`` on an H100 at the LoRA block's MLP shapes (8192 rows,
+#: 2048 x 5632; ``benchmarks/results/nf4-matmul-timing-nvidia-h100-80gb-hbm3-20261125-{085901,090552}*``): the tiled
+#: kernels are bound by dequantisation (each program re-dequantises its W tile, ``M / block_m`` times over the
+#: weight), so the forward takes 256 rows (the fastest of the sweep at both shapes); for the dx kernel (three bf16
+#: passes per tile) 64x128x64 on 4 warps and 128x128x64 on 8 were within 20% of each other, each ahead at one shape.
 TILED_DEFAULTS = {"fwd": (256, 128, 64, 8, 3), "dx": (64, 128, 64, 4, 3)}
 GENERAL_DEFAULTS = {"fwd": (64, 64, 64, 4, 2), "dx": (64, 64, 64, 4, 2)}
 
