@@ -4,6 +4,7 @@
 #    f16 / bf16 emulated, 20 trials), which README's table is made from;
 #  - the GPU false-alarm sweep (100 runs, the GPU's own TF32 / bf16 rounding, judged at the platform's default);
 #  - the pallas block's bf16-nf4 verification on the GPU (pass 2's invocation was mis-quoted);
+#  - one attention detection trial timed at 262,144 and 10^6 entries on the GPU (do those cells fit a call?);
 #  - hardware spot checks: detection with the H100's own TF32 / bf16 rounding in the kernel under test.
 # The 500-run CPU false-alarm sweep of this code runs on the development machine (its log is committed beside).
 set -u
@@ -25,8 +26,9 @@ t0=$(date +%s); T=${PASS_S:-520}
   echo "det rc=$? after $(( $(date +%s) - t0 )) s" >> $OUT/logs/det_hw.log ) &
 ( header "python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_lora_block_pallas.py -k nf4" > $OUT/logs/gpu_nf4.log
   timeout $T python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_lora_block_pallas.py -k nf4 >> $OUT/logs/gpu_nf4.log 2>&1
-  echo "tests rc=$?" >> $OUT/logs/gpu_nf4.log ) &
+  echo "tests rc=$?" >> $OUT/logs/gpu_nf4.log
+  for n in 262144 1000000; do JAX_PLATFORMS=cuda timeout 150 python3 scripts/verify_detection_timing.py --op attention --size $n --trials 3; done > $OUT/logs/det_timing.log 2>&1 ) &
 wait
 echo "all done after $(( $(date +%s) - t0 )) s"
-tail -3 $OUT/logs/gpu_nf4.log; grep -E "false alarms in|rc=" $OUT/logs/fa_gpu.log; grep -E "FALSE|undetermined" $OUT/logs/fa_gpu.log | head -5 | cut -c1-200
+tail -3 $OUT/logs/gpu_nf4.log; cat $OUT/logs/det_timing.log | grep -v Warn | cut -c1-200; grep -E "false alarms in|rc=" $OUT/logs/fa_gpu.log; grep -E "FALSE|undetermined" $OUT/logs/fa_gpu.log | head -5 | cut -c1-200
 grep -E "entries:|rc=|false alarms:" $OUT/logs/det_cpu.log $OUT/logs/det_hw.log | cut -c1-170
