@@ -314,8 +314,9 @@ def table_detection(results: pathlib.Path) -> list[str]:
     lines = [f"Smallest planted scale error `s` (a gradient `(1 + s) g`) caught in all {'/'.join(map(str, trials))} "
              f"random trials; from [`{path.name}`]({_rel(path)}) ({str(env.get('datetime_utc', ''))[:10]}, "
              f"commit {commit}, {summary.get('replicas', '?')} replicas, false-alarm rate "
-             f"{summary.get('model_false_alarm_rate_per_leaf', '?'):g} per leaf; computed on the CPU of the "
-             f"{env.get('device_kind', '?')} machine, TF32/f16/bf16 emulated).", ""]
+             f"{summary.get('model_false_alarm_rate_per_leaf', '?'):g} per leaf; computed on "
+             + ("a CPU" if env.get("device_kind", "cpu") == "cpu" else f"the CPU of the {env['device_kind']} machine")
+             + ", TF32/f16/bf16 emulated).", ""]
     lines += _table(["op (planted leaf)", "entries", "ReLU kinks"] + [label for _, label in DETECTION_PRECISIONS],
                     body)
     if "false_alarms" in summary:
