@@ -81,12 +81,14 @@ class BlockKernels:
                                      out_dtype=jnp.promote_types(h.dtype, jnp.float32))
 
     def base_dx(self, dy, w, dtype):
-        """``dY W`` (``dy`` the block's fp32 sums, ``W`` rounded to the forward's ``dtype``) by the NF4 kernel, or
-        ``None`` where the XLA path computes it."""
+        """``dY W`` (``dy`` the block's fp32 sums rounded once to the block's ``dtype``, as the XLA path's
+        :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does; ``W`` rounded to ``dtype``; fp32 accumulation) by the
+        NF4 kernel, or ``None`` where the XLA path computes it. For a bf16 block that is one bf16 tensor-core pass,
+        not the three exact passes an fp32 ``dy`` needs."""
         if not self.nf4_kernel(w):
             return None
         cdt = jnp.promote_types(dtype, jnp.float32)
-        return nf4_matmul_dx_pallas(dy.astype(cdt), *_nf4_operands(w), interpret=self.interpret, w_dtype=dtype,
+        return nf4_matmul_dx_pallas(dy.astype(dtype), *_nf4_operands(w), interpret=self.interpret, w_dtype=dtype,
                                     out_dtype=cdt)
 
 
