@@ -88,6 +88,14 @@ CASES = {
         cfg=LlamaConfig(**{**CFG.__dict__, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6}),
         lcfg=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "down_proj"],
                         init_lora_weights=False), kw=dict(dropout_key=jax.random.key(5))),
+    # grouped GEMMs with untargeted members: q/k/v with only k's A folded in, gate/up with only up's, o alone
+    "grouped-three-targets": dict(
+        cfg=CFG, lcfg=LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "up_proj"],
+                                 init_lora_weights=False), kw=dict(attention_mask=MASK)),
+    # dropout on every projection: the per-projection (ungrouped) path throughout
+    "dropout-all-linear-ungrouped": dict(
+        cfg=CFG, lcfg=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules="all-linear",
+                                 init_lora_weights=False), kw=dict(dropout_key=jax.random.key(6))),
 }
 
 
@@ -211,3 +219,53 @@ def test_block_bad_input_is_named():
         LlamaConfig(hidden_size=24, num_attention_heads=3, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="'attention_bias' = True is not supported"):
         LlamaConfig(hidden_size=24, num_attention_heads=3, attention_bias=True)
+
+
+def _dots(jaxpr, out):
+    """(lhs shape, rhs shape, out shape) of every dot_general in a jaxpr, sub-jaxprs included."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append((e.invars[0].aval.shape, e.invars[1].aval.shape, e.outvars[0].aval.shape))
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _dots(sub, out)
+    return out
+
+
+def _block_gemms(lcfg, dropout_key=None):
+    """The VJP's GEMMs on the hidden/intermediate sizes (all but the rank-r products and attention), for a float32
+    block: forward ``[(rows of the stacked weight), ...]`` and the backward's ``dh`` products ``[N, in]``."""
+    params, lora, x = make_block(12, jnp.float32, CFG, lcfg)
+    fwd = jax.make_jaxpr(lambda p, l, x: block_mod._block_fwd(CFG, lcfg, "xla", p, l, x, None, None, dropout_key))
+    closed = fwd(params, lora, x)
+    y, res = jax.eval_shape(lambda p, l, x: block_mod._block_fwd(CFG, lcfg, "xla", p, l, x, None, None, dropout_key),
+                            params, lora, x)
+    bwd = jax.make_jaxpr(lambda res, dy: block_mod._block_bwd(CFG, lcfg, "xla", block_mod.XLA, res, dy))(res, y)
+    n = B * T
+    # forward: a 2-D weight (stack) contracted with a [B, T, in] activation, K = in > r
+    f = [rhs[0] for lhs, rhs, _ in _dots(closed.jaxpr, []) if len(lhs) == 3 and len(rhs) == 2 and rhs[1] > lcfg.r]
+    b = [o for _, _, o in _dots(bwd.jaxpr, []) if o in ((n, CFG.hidden_size), (n, CFG.intermediate_size))]
+    return sorted(f), b
+
+
+def test_projections_sharing_an_input_are_one_gemm(monkeypatch):
+    # all 7 targets: forward 4 GEMMs (q/k/v, o, gate/up, down with their A rows stacked) instead of 7 base + 7
+    # X A^T; backward 4 dh GEMMs ([dY... | s G...] [W...; A...]) instead of 7 dY W + 7 G A
+    h, i, q, kv, r = CFG.hidden_size, CFG.intermediate_size, CFG.num_attention_heads * CFG.head_dim, \
+        CFG.num_key_value_heads * CFG.head_dim, LCFG.r
+    fwd, bwd = _block_gemms(LCFG)
+    assert fwd == sorted([q + 2 * kv + 3 * r, h + r, 2 * i + 2 * r, h + r]), fwd
+    assert len(bwd) == 4, bwd
+    monkeypatch.setattr(block_mod, "groupable", lambda *a: False)  # the per-projection path, for comparison
+    fwd, bwd = _block_gemms(LCFG)
+    assert len(fwd) == 14 and len(bwd) == 14, (fwd, bwd)
+
+
+def test_dropout_takes_the_per_projection_path():
+    lcfg = CASES["dropout-all-linear-ungrouped"]["lcfg"]
+    fwd, bwd = _block_gemms(lcfg, jax.random.key(6))
+    assert len(fwd) == 14 and len(bwd) == 14, (fwd, bwd)  # 7 base + 7 X A^T; 7 dY W + 7 G A
+    fwd, bwd = _block_gemms(lcfg)  # no key: no dropout, grouped
+    assert len(fwd) == 4 and len(bwd) == 4, (fwd, bwd)

@@ -23,11 +23,46 @@ Backward (:func:`block`'s VJP, every term; :mod:`jaxgrad.ops` has each one's equ
 7. q, k, v: :math:`\bar h_1` = the sum of the three, and their A/B gradients;
 8. input RMSNorm: :math:`\bar x_1, \bar w_\mathrm{in}`; residual 1: :math:`\bar x = \bar x_2 + \bar x_1`.
 
+**Grouped projections** (:mod:`jaxgrad.lora.grouped`, issue #13). The projections that share an input run as one
+GEMM each, with the LoRA ``A`` matrices folded in as extra rows of the frozen weight (``U = h A^T``, fp32
+accumulation; f64 for f64):
+
+.. math::
+
+    Z_1 &= h_1 [W_q; W_k; W_v; A_q; A_k; A_v]^\top = [h_1 W_q^\top | h_1 W_k^\top | h_1 W_v^\top | U_q | U_k | U_v],
+    \qquad q = Z_{1,q} + s\, U_q B_q^\top \ (\text{same for } k, v) \\
+    Z_2 &= h_2 [W_\mathrm{gate}; W_\mathrm{up}; A_\mathrm{gate}; A_\mathrm{up}]^\top, \qquad
+    Z_o = o [W_o; A_o]^\top, \qquad Z_d = m [W_\mathrm{down}; A_\mathrm{down}]^\top
+
+(an untargeted projection has no ``A`` rows), and in the backward, with :math:`G_P = \bar Y_P B_P` (operands in the
+block's dtype, fp32 accumulation),
+
+.. math::
+
+    \bar h_1 = [\bar q \,|\, \bar k \,|\, \bar v \,|\, s G_q \,|\, s G_k \,|\, s G_v]\,
+               [W_q; W_k; W_v; A_q; A_k; A_v], \qquad
+    \bar A_P = s\, G_P^\top h, \quad \bar B_P = s\, \bar Y_P^\top U_P
+
+(likewise :math:`\bar h_2` from gate/up, :math:`\bar o` and :math:`\bar m` from o/down with their ``A``). The sums
+are the per-projection ones above (step 3's and step 7's sum of the projections' :math:`\bar h` is the GEMM's own
+accumulation). Why: 4 base GEMMs in the forward instead of 7 plus 7 skinny :math:`h A^\top` ones, 4 instead of
+7 + 7 (:math:`\bar Y W`, :math:`G A`) in the backward: fewer launches, each input read once per group instead of
+once per projection and again for its ``U``, and the skinny GEMMs that read or write a whole ``[N, in]``
+activation (:math:`h A^\top`, :math:`G A`) disappear into the base ones (they are among the 32 LoRA GEMMs, 1.07 ms
+of the 7.05 ms H100 step in ``benchmarks/results/lora-profile-nvidia-h100-80gb-hbm3-20261125-085340.txt``); the
+rank-r products :math:`U B^\top`, :math:`G`, :math:`\bar A`, :math:`\bar B` stay per projection. The recomputed
+forward's ``U`` serves :math:`\bar B` (down_proj's forward is not recomputed: its ``U`` is formed again).
+Grouping needs dense weights and one input for all: with LoRA dropout (a mask per projection on the LoRA input)
+and for NF4 weights on the Pallas backend (the NF4 kernels' products) the block runs per projection
+(:mod:`jaxgrad.ops.lora_linear`). In a bf16 block :math:`s G` is rounded to bf16 for its product with ``A``, and an
+``A`` in another dtype is rounded to the block's as a row of the weight; f32 and f64 blocks compute the same
+sums as per projection.
+
 What the VJP saves (besides its inputs: ``x``, the frozen weights, norm weights and adapters, which are alive
 anyway): the fp32 row statistics :math:`r_1, r_2` ``[B, T]`` and the attention log-sum-exp ``[B, Hq, T]`` in fp32.
 Everything else (``h1``, q/k/v, RoPE, ``P``, ``o``, ``x2``, ``h2``, ``e``, ``u``, ``m``, the LoRA ``U``, dropout masks
-from the key, NF4 dequantisation) is recomputed in the backward. At the benchmark shape (batch 4, seq 2048, hidden
-2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) that is
+from the key, NF4 dequantisation, the stacked weights) is recomputed in the backward. At the benchmark shape
+(batch 4, seq 2048, hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) that is
 
 * ``x``: 4 x 2048 x 2048 x 2 B = 33,554,432 B (32 MiB; the block input, saved as a residual);
 * ``r1``, ``r2``: 2 x 4 x 2048 x 4 B = 65,536 B;
@@ -50,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
+from jaxgrad.lora.grouped import group_bwd, group_fwd, groupable
 from jaxgrad.lora.kernels import BACKENDS, XLA, BlockKernels
 from jaxgrad.ops.attention import attention_bwd, attention_fwd, attention_out_from_lse, attention_reference
 from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_linear_fwd, lora_linear_reference
@@ -61,6 +97,11 @@ from jaxgrad.ops.swiglu import swiglu_reference
 __all__ = ["base_weight", "block", "block_reference", "validate_block_inputs"]
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
+# the projections that share an input: each group is one GEMM where it can be (jaxgrad.lora.grouped)
+QKV = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"))
+O_PROJ = (("self_attn", "o_proj"),)
+GATE_UP = (("mlp", "gate_proj"), ("mlp", "up_proj"))
+DOWN = (("mlp", "down_proj"),)
 
 
 def base_weight(w, dtype):
@@ -206,15 +247,20 @@ def _cudnn_attention(q, k, v, attention_mask, attn):
                                         implementation=implementation)
 
 
+def _dropout(lcfg, dropout_key) -> bool:
+    return lcfg is not None and dropout_key is not None and lcfg.lora_dropout > 0
+
+
 def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2=None,
                kern=XLA):
-    """The forward from the saved statistics; returns every activation the backward needs (and ``y`` when
-    ``r1`` and ``r2`` are None, i.e. in the forward itself, which computes them)."""
+    """The forward from the saved statistics; returns every activation the backward needs (with the LoRA ``U``
+    of each grouped projection, ``act["us"]``) and ``projs``, which the forward itself uses for down_proj."""
     dt = x.dtype
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     s = 0.0 if lcfg is None else lcfg.scale
-    act = {}
+    dropout = _dropout(lcfg, dropout_key)
+    us = {}
 
     def proj(h, g, n):
         a, bb = _adapter(lora, lcfg, g, n)
@@ -223,12 +269,22 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
         return lora_linear_fwd(h, None if xw is not None else base_weight(w, dt), a, bb, s,
                                _keep(lcfg, dropout_key, g, n, h.shape, dt), xw=xw)
 
+    def projs(h, names):
+        """The projections ``names`` of one input: one GEMM [W...; A...] (grouped.py), else one by one."""
+        ws = [params[g][n]["weight"] for g, n in names]
+        if not groupable(kern, ws, dropout):
+            return [proj(h, g, n) for g, n in names]
+        ys, u = group_fwd(h, [base_weight(w, dt) for w in ws], [_adapter(lora, lcfg, g, n) for g, n in names], s)
+        us.update(zip(names, u))
+        return ys
+
     cos, sin = _cos_sin(cfg, positions, b, t, dt)
     # h1 = w_in * (x r1), r1 = rsqrt(mean(x^2) + eps) in fp32: computed in the forward, the saved one afterwards
     h1, r1 = kern.norm(x, params["input_layernorm"]["weight"], cfg.rms_norm_eps, r1)
-    q = rope_fwd(proj(h1, "self_attn", "q_proj").reshape(b, t, hq, d), cos, sin)
-    k = rope_fwd(proj(h1, "self_attn", "k_proj").reshape(b, t, hkv, d), cos, sin)
-    v = proj(h1, "self_attn", "v_proj").reshape(b, t, hkv, d)
+    q, k, v = projs(h1, QKV)
+    q = rope_fwd(q.reshape(b, t, hq, d), cos, sin)
+    k = rope_fwd(k.reshape(b, t, hkv, d), cos, sin)
+    v = v.reshape(b, t, hkv, d)
     if attn != "xla":
         o = _cudnn_attention(q, k, v, attention_mask, attn)
     elif lse is None:
@@ -236,12 +292,12 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
     else:
         o = attention_out_from_lse(q, k, v, lse, attention_mask).astype(dt)
     o2 = o.reshape(b, t, hq * d)
-    x2 = x + proj(o2, "self_attn", "o_proj")
+    x2 = x + projs(o2, O_PROJ)[0]
     h2, r2 = kern.norm(x2, params["post_attention_layernorm"]["weight"], cfg.rms_norm_eps, r2)
-    e, u = proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj")
+    e, u = projs(h2, GATE_UP)
     m = swiglu_reference(e, u)
-    act.update(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o2, x2=x2, h2=h2, e=e, u=u, m=m, lse=lse, r1=r1, r2=r2)
-    return act, proj
+    return dict(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o2, x2=x2, h2=h2, e=e, u=u, m=m, lse=lse, r1=r1, r2=r2,
+                us=us), projs
 
 
 def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
@@ -253,9 +309,9 @@ _block = jax.custom_vjp(_block_impl, nondiff_argnums=(0, 1, 2, 9))
 
 
 def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
-    act, proj = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, None, None,
-                           kern=kern)
-    y = act["x2"] + proj(act["m"], "mlp", "down_proj")
+    act, projs = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, None, None,
+                            kern=kern)
+    y = act["x2"] + projs(act["m"], DOWN)[0]
     # saved: inputs + fp32 row statistics r1, r2 [B, T] + fp32 lse [B, Hkv, G, T]; everything else is recomputed
     return y, (params, lora, x, positions, attention_mask, dropout_key, act["r1"], act["r2"], act["lse"])
 
@@ -283,17 +339,35 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
             grads.setdefault(g, {})[n] = {"lora_A": da, "lora_B": db}
         return dh
 
+    dropout = _dropout(lcfg, dropout_key)
+
+    def projs_bwd(h, names, douts):
+        """dh of the projections ``names`` of one input h (the sum over them): one GEMM [dY... | s G...] [W...; A...]
+        (grouped.py), else one by one; records their A/B gradients."""
+        ws = [params[g][n]["weight"] for g, n in names]
+        if not groupable(kern, ws, dropout):
+            dh = proj_bwd(h, *names[0], douts[0])
+            for (g, n), dout in zip(names[1:], douts[1:]):
+                dh = dh + proj_bwd(h, g, n, dout)
+            return dh
+        dh, ab = group_bwd(h, [base_weight(w, dt) for w in ws], [_adapter(lora, lcfg, g, n) for g, n in names],
+                           [act["us"].get(name) for name in names], s, douts, cdt)
+        for (g, n), gr in zip(names, ab):
+            if gr is not None:
+                grads.setdefault(g, {})[n] = {"lora_A": gr[0], "lora_B": gr[1]}
+        return dh
+
     dy = dy.astype(cdt)
     # residual 2: y = x2 + down(m)  ->  dx2 starts as dy
-    dm = proj_bwd(act["m"], "mlp", "down_proj", dy)
+    dm = projs_bwd(act["m"], DOWN, [dy])
     # SwiGLU: de = dm u silu'(e), du = dm silu(e), silu'(e) = sigma(e) (1 + e (1 - sigma(e)))
     de, du = swiglu_bwd_math(act["e"].astype(cdt), act["u"].astype(cdt), dm)
-    dh2 = proj_bwd(act["h2"], "mlp", "gate_proj", de) + proj_bwd(act["h2"], "mlp", "up_proj", du)
+    dh2 = projs_bwd(act["h2"], GATE_UP, [de, du])
     # post-attention RMSNorm: dx2 += r2 (g - n2 mean(g n2)), dw_post = sum dh2 n2
     dx2_norm, dw_post = kern.norm_bwd(act["x2"], params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
     dx2 = dy + dx2_norm
     # residual 1: x2 = x + o_proj(attn)
-    do = proj_bwd(act["o2"], "self_attn", "o_proj", dx2).reshape(b, t, hq, d)
+    do = projs_bwd(act["o2"], O_PROJ, [dx2]).reshape(b, t, hq, d)
     if attn != "xla":
         _, pullback = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn),
                               act["q"], act["k"], act["v"])
@@ -305,9 +379,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     dq = rope_bwd_x(dqr.astype(cdt), act["cos"], act["sin"]).reshape(b, t, hq * d)
     dk = rope_bwd_x(dkr.astype(cdt), act["cos"], act["sin"]).reshape(b, t, hkv * d)
     dv = dv.astype(cdt).reshape(b, t, hkv * d)
-    h1 = act["h1"]
-    dh1 = (proj_bwd(h1, "self_attn", "q_proj", dq) + proj_bwd(h1, "self_attn", "k_proj", dk)
-           + proj_bwd(h1, "self_attn", "v_proj", dv))
+    dh1 = projs_bwd(act["h1"], QKV, [dq, dk, dv])
     dx1, dw_in = kern.norm_bwd(x, params["input_layernorm"]["weight"], r1, dh1, cdt)
     dx = (dx2 + dx1).astype(dt)  # both residual sums
     dparams = {k: None for k in params}  # frozen projection weights: zero cotangent (stop_gradient semantics)
