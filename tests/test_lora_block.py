@@ -13,6 +13,7 @@ import pytest
 
 from jaxgrad.lora.block import block, block_reference
 from jaxgrad.lora.config import LlamaConfig, LoraConfig
+from jaxgrad.lora.kernels import BlockKernels
 from jaxgrad.lora.model import init, init_lora
 from jaxgrad.verify import check_vjp
 
@@ -99,13 +100,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("group", [False, True], ids=["per-projection", "grouped"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_block_vjp_equals_jax_grad_of_reference_float64(case):
+def test_block_vjp_equals_jax_grad_of_reference_float64(case, group):
     c = CASES[case]
     with jax.enable_x64(True):
         params, lora, x = make_block(1, jnp.float64, c["cfg"], c["lcfg"])
         ct = jax.random.normal(jax.random.key(2), x.shape, jnp.float64)
-        y, pb = jax.vjp(jax.jit(lambda p, l, x: block(p, l, x, c["cfg"], c["lcfg"], **c["kw"])), params, lora, x)
+        y, pb = jax.vjp(jax.jit(lambda p, l, x: block(p, l, x, c["cfg"], c["lcfg"], group_projections=group,
+                                                      **c["kw"])), params, lora, x)
         y_ref, pb_ref = jax.vjp(jax.jit(lambda p, l, x: block_reference(p, l, x, c["cfg"], c["lcfg"], **c["kw"])),
                                 params, lora, x)
         np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-12 * float(jnp.max(jnp.abs(y_ref))))
@@ -126,6 +129,18 @@ def test_block_vjp_verified_float32_with_padding_and_llama3_rope():
     params, lora, x = make_block(3, jnp.float32, c["cfg"], c["lcfg"])
     frozen, norms = _split_norms(params)
     fn, ref = _fns(frozen, c["cfg"], c["lcfg"], **c["kw"])
+    assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
+
+
+@pytest.mark.slow
+def test_grouped_block_vjp_verified_bf16():
+    """The grouped projections (``group_projections=True``) in bf16: the same verdict as the default path."""
+    params, lora, x = make_block(4, jnp.bfloat16)
+    frozen, norms = _split_norms(params)
+    _, ref = _fns(frozen)
+
+    def fn(x, lora, norms):
+        return block({**frozen, **norms}, lora, x, CFG, LCFG, group_projections=True)
     assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
 
 
@@ -234,15 +249,17 @@ def _dots(jaxpr, out):
     return out
 
 
-def _block_gemms(lcfg, dropout_key=None):
+def _block_gemms(lcfg, dropout_key=None, group=True):
     """The VJP's GEMMs on the hidden/intermediate sizes (all but the rank-r products and attention), for a float32
     block: forward ``[(rows of the stacked weight), ...]`` and the backward's ``dh`` products ``[N, in]``."""
     params, lora, x = make_block(12, jnp.float32, CFG, lcfg)
-    fwd = jax.make_jaxpr(lambda p, l, x: block_mod._block_fwd(CFG, lcfg, "xla", p, l, x, None, None, dropout_key))
+    kern = BlockKernels(group=group)
+    fwd = jax.make_jaxpr(lambda p, l, x: block_mod._block_fwd(CFG, lcfg, "xla", p, l, x, None, None, dropout_key,
+                                                              kern))
     closed = fwd(params, lora, x)
-    y, res = jax.eval_shape(lambda p, l, x: block_mod._block_fwd(CFG, lcfg, "xla", p, l, x, None, None, dropout_key),
-                            params, lora, x)
-    bwd = jax.make_jaxpr(lambda res, dy: block_mod._block_bwd(CFG, lcfg, "xla", block_mod.XLA, res, dy))(res, y)
+    y, res = jax.eval_shape(lambda p, l, x: block_mod._block_fwd(CFG, lcfg, "xla", p, l, x, None, None, dropout_key,
+                                                                 kern), params, lora, x)
+    bwd = jax.make_jaxpr(lambda res, dy: block_mod._block_bwd(CFG, lcfg, "xla", kern, res, dy))(res, y)
     n = B * T
     # forward: a 2-D weight (stack) contracted with a [B, T, in] activation, K = in > r
     f = [rhs[0] for lhs, rhs, _ in _dots(closed.jaxpr, []) if len(lhs) == 3 and len(rhs) == 2 and rhs[1] > lcfg.r]
@@ -250,7 +267,7 @@ def _block_gemms(lcfg, dropout_key=None):
     return sorted(f), b
 
 
-def test_projections_sharing_an_input_are_one_gemm(monkeypatch):
+def test_projections_sharing_an_input_are_one_gemm():
     # all 7 targets: forward 4 GEMMs (q/k/v, o, gate/up, down with their A rows stacked) instead of 7 base + 7
     # X A^T; backward 4 dh GEMMs ([dY... | s G...] [W...; A...]) instead of 7 dY W + 7 G A
     h, i, q, kv, r = CFG.hidden_size, CFG.intermediate_size, CFG.num_attention_heads * CFG.head_dim, \
@@ -258,8 +275,7 @@ def test_projections_sharing_an_input_are_one_gemm(monkeypatch):
     fwd, bwd = _block_gemms(LCFG)
     assert fwd == sorted([q + 2 * kv + 3 * r, h + r, 2 * i + 2 * r, h + r]), fwd
     assert len(bwd) == 4, bwd
-    monkeypatch.setattr(block_mod, "groupable", lambda *a: False)  # the per-projection path, for comparison
-    fwd, bwd = _block_gemms(LCFG)
+    fwd, bwd = _block_gemms(LCFG, group=False)  # the default (group_projections=False): per projection
     assert len(fwd) == 14 and len(bwd) == 14, (fwd, bwd)
 
 

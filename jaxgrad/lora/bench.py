@@ -10,6 +10,8 @@ Variants (``VARIANTS``; on a machine without a GPU the cuDNN attention is replac
   through ``jax.nn.dot_product_attention(implementation="cudnn")`` and its cuDNN backward;
 * ``custom_vjp cudnn nf4``: the same with the 7 projection weights in NF4 (dequantised on the fly, again in the
   backward);
+* ``custom_vjp+grouped cudnn`` / ``custom_vjp+grouped cudnn nf4``: the same with ``group_projections=True``
+  (q/k/v and gate/up as one GEMM each, the LoRA A rows folded into the weights; issue #13);
 * ``custom_vjp xla-attn``: the custom VJP with our own XLA attention (materialises ``[B, Hq, T, T]`` scores);
 * ``jax.grad(reference) cudnn`` / ``jax.grad(reference) xla-attn``: ``jax.vjp`` of the plain reference block
   (:func:`jaxgrad.lora.block_reference`), with ``jax.nn.dot_product_attention(implementation="cudnn")`` or with
@@ -80,6 +82,9 @@ JAX_VARIANTS = {
     # issue #13: the block's Pallas kernels (RMSNorm; NF4 dequantise + matmul) behind the same custom VJP
     "custom_vjp cudnn pallas": ("pallas", "cudnn", False),
     "custom_vjp cudnn nf4 pallas": ("pallas", "cudnn", True),
+    # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
+    "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
+    "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
 }
 ROW_TAG = "LORA_BENCH_ROW "
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -87,8 +92,9 @@ GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o
          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "custom_vjp cudnn nf4",
-             "jax.grad(reference) xla-attn", "custom_vjp xla-attn", "custom_vjp cudnn pallas",
+RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "custom_vjp+grouped cudnn",
+             "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
+             "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas")  # most wanted first (a time budget may cut)
 
 
@@ -178,6 +184,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
 
     s = SIZES[sizes]
     backend, attention, nf4 = _jax_spec(name)
+    grouped = "+grouped" in name
     cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rope_theta=ROPE_THETA,
                       max_position_embeddings=s["seq"], vocab_size=256, rms_norm_eps=1e-5)
@@ -205,8 +212,9 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
         if backend == "reference":  # what block(backend="reference") runs, any attention implementation
             return block_reference(params, lora, x, cfg, lcfg, attention=attention)
         if attention.startswith("sdpa:"):  # the attention="cudnn" code path with another implementation (CPU)
-            return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1])
-        return block(params, lora, x, cfg, lcfg, attention=attention, backend=backend)
+            return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1],
+                               group_projections=grouped)
+        return block(params, lora, x, cfg, lcfg, attention=attention, backend=backend, group_projections=grouped)
 
     def fwd_bwd(params, lora, x, cot):
         y, pull = jax.vjp(lambda l, xx: run_block(params, l, xx), lora, x)

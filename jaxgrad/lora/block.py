@@ -23,7 +23,8 @@ Backward (:func:`block`'s VJP, every term; :mod:`jaxgrad.ops` has each one's equ
 7. q, k, v: :math:`\bar h_1` = the sum of the three, and their A/B gradients;
 8. input RMSNorm: :math:`\bar x_1, \bar w_\mathrm{in}`; residual 1: :math:`\bar x = \bar x_2 + \bar x_1`.
 
-**Grouped projections** (:mod:`jaxgrad.lora.grouped`, issue #13). The projections that share an input run as one
+**Grouped projections** (:mod:`jaxgrad.lora.grouped`, issue #13; ``group_projections=True``, off by default until
+it is measured faster on a GPU). The projections that share an input run as one
 GEMM each, with the LoRA ``A`` matrices folded in as extra rows of the frozen weight (``U = h A^T``, fp32
 accumulation; f64 for f64):
 
@@ -396,7 +397,8 @@ _block.defvjp(_block_fwd, _block_bwd)
 
 
 def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, positions=None, attention_mask=None,
-          dropout_key=None, *, backend: str = "xla", attention: str = "xla", interpret: bool | None = None):
+          dropout_key=None, *, backend: str = "xla", attention: str = "xla", interpret: bool | None = None,
+          group_projections: bool = False):
     """One Llama decoder block with LoRA, forward; its VJP is hand-written (see the module docstring).
 
     Args:
@@ -417,6 +419,9 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``).
       interpret: ``backend="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a
         GPU, as everywhere in :mod:`jaxgrad.pallas_backend`; ``True`` forces it, e.g. on a GPU machine's CPU).
+      group_projections: the custom VJP runs the projections that share an input as one GEMM each with the LoRA
+        ``A`` rows folded in (module docstring, "Grouped projections"); off by default until measured faster on a
+        GPU.
     """
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
@@ -431,14 +436,16 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         return block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key,
                                attention=attention)
     # interpret only matters to the kernels: the xla backend ignores it (and gets one trace whatever it is)
-    kern = BlockKernels(backend, None if interpret is None or backend != "pallas" else bool(interpret))
+    kern = BlockKernels(backend, None if interpret is None or backend != "pallas" else bool(interpret),
+                        bool(group_projections))
     return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern)
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                implementation="xla"):
+                implementation="xla", group_projections=False):
     """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation
     (tests run it with ``"xla"`` on the CPU)."""
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
-    return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key, XLA)
+    return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
+                  BlockKernels(group=bool(group_projections)))

@@ -62,9 +62,10 @@ __all__ = ["groupable", "group_fwd", "group_bwd"]
 
 
 def groupable(kern, weights, dropout: bool) -> bool:
-    """Whether a group of projections (their frozen weights, dense or NF4) runs as one GEMM: no LoRA dropout and
-    no weight whose base product comes from the NF4 kernel (``kern.nf4_kernel``)."""
-    return not dropout and not any(kern.nf4_kernel(w) for w in weights)
+    """Whether a group of projections (their frozen weights, dense or NF4) runs as one GEMM: asked for
+    (``block(..., group_projections=True)``: ``kern.group``), no LoRA dropout and no weight whose base product
+    comes from the NF4 kernel (``kern.nf4_kernel``)."""
+    return kern.group and not dropout and not any(kern.nf4_kernel(w) for w in weights)
 
 
 def _dot(a, b, ca, cb, cdt):

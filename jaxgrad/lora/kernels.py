@@ -48,6 +48,9 @@ class BlockKernels:
 
     backend: str = "xla"  # "xla" or "pallas"
     interpret: bool | None = None
+    # projections sharing an input as one GEMM with the LoRA A rows folded in (jaxgrad.lora.grouped); off by
+    # default until it is measured faster on a GPU (NOTES.md, session 10)
+    group: bool = False
 
     @property
     def pallas(self) -> bool:
