@@ -341,8 +341,8 @@ def table_detection(results: pathlib.Path) -> list[str]:
                 large[key] = (stamp, r, p)
     if large:
         files = sorted({v[2].name for v in large.values()})
-        lines += ["", "Larger leaves (" + ", ".join(f"[`{f}`]({_rel(results / f)})" for f in files) + "; computed "
-                  "on the GPU with the products emulated at HIGHEST; "
+        lines += ["", "Larger leaves (" + ", ".join(f"[`{f}`]({_rel(results / f)})" for f in files) + "; each "
+                  "file names its device; TF32/f16/bf16 emulated, products at HIGHEST; "
                   + "/".join(str(t) for t in sorted({v[1]["trials"] for v in large.values()})) + " trials):", ""]
         lines += _table(["op (planted leaf)", "entries", "ReLU kinks"] + [lb for _, lb in DETECTION_PRECISIONS],
                         _detection_rows([v[1] for v in large.values()]))
