@@ -261,3 +261,14 @@ def test_gpu_compiled_kernels_at_the_block_shapes(o, k, dtype):
     check(compiled(nf4_matmul_fwd_pallas)(x, ops[0], ops[1]), exact_y, terms_y, k, u)
     check(compiled(nf4_matmul_fwd_pallas, out_dtype=jnp.float32)(x, ops[0], ops[1]), exact_y, terms_y, k, 2.0**-24)
     check(compiled(nf4_matmul_dx_pallas, w_dtype=dtype)(g, ops[0], ops[1]), exact_dx, terms_dx, o, 2.0**-24)
+
+
+def test_the_module_imports_first():
+    """``import jaxgrad.ops.nf4_matmul`` in a fresh interpreter (it imports ``jaxgrad.lora``, whose block imports it
+    back: a circular import that used to fail when this module came first)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import jaxgrad.ops.nf4_matmul as m; print(m.nf4_matmul.__name__)"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "nf4_matmul", proc.stderr[-2000:]

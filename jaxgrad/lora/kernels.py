@@ -28,7 +28,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxgrad.lora.nf4 import NF4Weight, nf4_absmax
-from jaxgrad.ops.nf4_matmul import nf4_matmul_dx_pallas, nf4_matmul_fwd_pallas
+from jaxgrad.ops import nf4_matmul  # the module, not its names: jaxgrad.ops.nf4_matmul imports jaxgrad.lora
 from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_pallas, rms_norm_fwd_pallas, rms_norm_rstd
 
 __all__ = ["BACKENDS", "BlockKernels"]
@@ -80,8 +80,8 @@ class BlockKernels:
         """``h W^T`` in fp32 (f64 for f64) by the NF4 kernel, or ``None`` where the XLA path computes it."""
         if not self.nf4_kernel(w):
             return None
-        return nf4_matmul_fwd_pallas(h, *_nf4_operands(w), interpret=self.interpret, w_dtype=h.dtype,
-                                     out_dtype=jnp.promote_types(h.dtype, jnp.float32))
+        return nf4_matmul.nf4_matmul_fwd_pallas(h, *_nf4_operands(w), interpret=self.interpret, w_dtype=h.dtype,
+                                                out_dtype=jnp.promote_types(h.dtype, jnp.float32))
 
     def base_dx(self, dy, w, dtype):
         """``dY W`` (``dy`` the block's fp32 sums rounded once to the block's ``dtype``, as the XLA path's
@@ -91,8 +91,8 @@ class BlockKernels:
         if not self.nf4_kernel(w):
             return None
         cdt = jnp.promote_types(dtype, jnp.float32)
-        return nf4_matmul_dx_pallas(dy.astype(dtype), *_nf4_operands(w), interpret=self.interpret, w_dtype=dtype,
-                                    out_dtype=cdt)
+        return nf4_matmul.nf4_matmul_dx_pallas(dy.astype(dtype), *_nf4_operands(w), interpret=self.interpret,
+                                               w_dtype=dtype, out_dtype=cdt)
 
 
 XLA = BlockKernels()
