@@ -1,0 +1,51 @@
+"""The detection-limit scripts at toy size: ``scripts/verify_detection_limits.py`` (a row per op, precision and size,
+with the Cramer-Rao floor) and ``scripts/verify_detection_timing.py`` (one trial's time by part)."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+SCRIPTS = pathlib.Path(__file__).parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import verify_detection_limits
+        import verify_detection_timing
+        yield verify_detection_limits, verify_detection_timing
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_a_detection_row_carries_its_limit_and_the_floor_under_it(scripts, tmp_path):
+    limits, _ = scripts
+    assert limits.main(["--ops", "dense", "--precisions", "bf16", "--sizes", "64", "--trials", "2",
+                        "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("verify-detection-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["op"] == "dense" and row["precision"] == "bf16" and row["trials"] == 2 and row["false_alarms"] == 0
+    # no scale test at this false-alarm rate beats the kernel's own Cramer-Rao floor; the weighted test comes close
+    assert 0 < row["ideal_limit"] <= row["smallest_scale_caught_in_all"] <= 10 * row["ideal_limit"]
+    assert 0 < row["sigma_cramer_rao_median"] <= row["sigma_beta_median"]
+    assert path.with_suffix(".txt").read_text().startswith("# device: ")
+
+
+def test_the_cpu_attention_cap_is_a_flag(scripts, capsys):
+    limits, _ = scripts
+    args = ["--ops", "attention", "--precisions", "f32", "--sizes", "64", "--trials", "1", "--no-write"]
+    assert limits.main(args + ["--cpu-max-attention", "32"]) == 0  # above the cap on the CPU: not run
+    assert "entries:" not in capsys.readouterr().out
+    assert limits.main(args) == 0
+    assert "attention  f32         64 entries:" in capsys.readouterr().out
+
+
+def test_timing_prints_one_line_per_trial(scripts, capsys):
+    _, timing = scripts
+    assert timing.main(["--op", "dense", "--size", "64", "--trials", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# device: ") and out[1].startswith("# commit ")
+    assert [line.split(", trial ")[1].split(":")[0] for line in out[2:]] == ["0", "1"]
