@@ -58,8 +58,9 @@ def judge(err, s_values, precision, rng, lowest=0):
     base = judged(e0)
     # Cramer-Rao: with independent Gaussian entries of variance v_i, no unbiased estimate of s in e = e0 + s g*
     # has a spread below 1 / sqrt(sum g*_i^2 / v_i): the floor that this kernel's rounding puts under any scale test
+    # (v without the worst-case kink jumps: the rounding itself; the flips the replicas take add to it)
     go = np.asarray(err.oracle, np.float64).reshape(-1)
-    sigma_cr = 1.0 / math.sqrt(float(np.sum(go * go / null.v.reshape(-1))))
+    sigma_cr = 1.0 / math.sqrt(float(np.sum(go * go / null.v0.reshape(-1))))
     caught = [False] * len(s_values)
     for i in range(len(s_values) - 1, lowest - 1, -1):
         caught[i] = not judged(e0 + s_values[i] * g).passed

@@ -142,3 +142,22 @@ def test_calibration_native_reference_runs_at_the_platform_default_precision():
         case = make_case(op, 100, "f32", np.random.default_rng(0))
         hi, native = (str(jax.make_jaxpr(f)(*case.args)) for f in (case.reference, case.native))
         assert "HIGHEST" in hi and "HIGHEST" not in native, op
+
+
+def test_attention_leaves_above_262144_entries_are_multi_head():
+    # 10^6 entries of dQ as a transformer holds them ([heads, seq, 128]), not one head of 7,812 queries
+    from jaxgrad.verify.calibration import _attention, make_case
+
+    case = make_case("attention", 1_000_000, "bf16", np.random.default_rng(0))
+    assert case.args[0].shape == (8, 976, 128) and case.args[1].shape == (8, 979, 128)
+    assert make_case("attention", 262144, "bf16", np.random.default_rng(0)).args[0].shape == (2048, 128)
+    # the batched kernel is the per-head kernel, head by head (f32: no rounding emulated)
+    f, ref = _attention("f32")
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((3, 5, 4), (3, 6, 4), (3, 6, 5)))
+    ct = jnp.asarray(rng.standard_normal((3, 5, 5)), jnp.float32)
+    whole = jax.vjp(f, q, k, v)[1](ct)
+    for h in range(3):
+        per_head = jax.vjp(ref, q[h], k[h], v[h])[1](ct[h])
+        for a, b in zip(whole, per_head):
+            np.testing.assert_allclose(np.asarray(a[h]), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -292,3 +292,46 @@ def test_a_precomputed_null_gives_the_same_verdict():
         a = leaf_statistics(err, r, g, "bf16", kink)
         b = leaf_statistics(err, r, g, "bf16", kink, null=null)
         assert a == b or a.summary() == b.summary()
+
+
+
+def _flipping_leaf(rng, n=16640, jump=100.0):
+    """A leaf behind ReLU-type kinks, as bf16 conv+ReLU dx measured: 98% of the entries carry a worst-case jump of
+    100 rounding standard deviations, but a run really flips only a few of them, by a random fraction of that jump.
+    Relative rounding ~0.3% per entry (bf16-like). Returns ``g*``, the jumps and ``run(flip_rate)``: one run's
+    error."""
+    g = rng.standard_normal(n)
+    sd = 0.003 * np.abs(g) + 1e-4
+    kink = np.where(rng.random(n) < 0.98, jump * sd, 0.0)
+
+    def run(flip_rate=0.01):
+        flips = (rng.random(n) < flip_rate) & (kink > 0)
+        return sd * rng.standard_normal(n) + flips * kink * rng.uniform(-1, 1, n)
+
+    return g, kink, run
+
+
+def test_kink_jumps_are_gated_so_a_1_percent_scale_behind_relu_kinks_is_caught():
+    # the worst-case jump as every entry's standard deviation would hide it (its spread ~ 100 x the rounding's);
+    # the replicas take flips at the rate rounding causes them, so the scale test weights by the rounding and gates
+    # only the entries whose residual a flip must explain
+    for seed in range(5):
+        g, kink, run = _flipping_leaf(np.random.default_rng(seed))
+        e, r = run(), np.stack([run() for _ in range(16)])
+        st = leaf_statistics(e, r, g, "bf16", kink)
+        assert st.passed, st.summary()  # a correct run with its flips
+        assert st.beta_limit < 0.004, st.summary()
+        caught = leaf_statistics(e + 0.01 * g, r, g, "bf16", kink)
+        assert "scale" in caught.failed, caught.summary()
+        assert abs(caught.beta - 0.01) < 0.002  # the flips fn took are gated out of the estimate, not the scale
+
+
+def test_a_run_flipping_far_more_than_its_replicas_is_no_false_alarm_of_the_scale_test():
+    # fn takes 5x the replicas' flips (a fused kernel rounding its pre-activation differently): the gate takes the
+    # large ones out of the estimate and the replicas' spread covers the rest
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        g, kink, run = _flipping_leaf(rng)
+        r = np.stack([run() for _ in range(16)])
+        st = leaf_statistics(run(0.05), r, g, "bf16", kink)
+        assert "scale" not in st.failed, st.summary()

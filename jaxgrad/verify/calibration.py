@@ -6,7 +6,9 @@ the plain-JAX reference it must match:
 
 * ``dense``: ``y = x W + b``; the planted leaf is ``W`` (``n_in x n_out`` entries).
 * ``conv_relu``: ``y = relu(conv3x3(x, w) + b)``, SAME padding; the planted leaf is ``x`` (behind ReLU kinks).
-* ``attention``: ``y = softmax(q k^T / sqrt(d)) v``; the planted leaf is ``q``.
+* ``attention``: ``y = softmax(q k^T / sqrt(d)) v``; the planted leaf is ``q``. Leaves above 262,144 entries are
+  multi-head, ``[heads, seq, 128]`` with ``heads = ceil(size / 131072)`` (10^6 entries: 8 heads of 976 queries), as
+  such a leaf is in a transformer; one head of 7,812 queries would cost 15x the 262k cell's score matrix.
 * ``long_sum``: ``y = x W`` with a batch of ``size`` rows, so every entry of ``dW`` is a ``size``-term sum; the
   planted leaf is ``W``.
 
@@ -122,16 +124,20 @@ def _conv_relu(precision):
 def _attention(precision):
     r = _rounder(precision)
 
+    # every product over the last two axes (a leading head axis is a batch): "...qd,...kd->...qk" etc.
+    def mm(a, b, spec, p=_HI):
+        return jnp.einsum(spec, a, b, precision=p)
+
     def ref(q, k, v, p=_HI):
-        s = jnp.dot(q, k.T, precision=p) / math.sqrt(q.shape[-1])
-        return jnp.dot(jax.nn.softmax(s, axis=-1), v, precision=p)
+        s = mm(q, k, "...qd,...kd->...qk", p) / math.sqrt(q.shape[-1])
+        return mm(jax.nn.softmax(s, axis=-1), v, "...qk,...kd->...qd", p)
 
     def probs(q, k):
-        return jax.nn.softmax(jnp.dot(r(q), r(k).T, precision=_HI) / math.sqrt(q.shape[-1]), axis=-1)
+        return jax.nn.softmax(mm(r(q), r(k), "...qd,...kd->...qk") / math.sqrt(q.shape[-1]), axis=-1)
 
     @jax.custom_vjp
     def f(q, k, v):
-        return jnp.dot(r(probs(q, k)), r(v), precision=_HI)
+        return mm(r(probs(q, k)), r(v), "...qk,...kd->...qd")
 
     def fwd(q, k, v):
         return f(q, k, v), (q, k, v)
@@ -140,11 +146,11 @@ def _attention(precision):
         q, k, v = res
         p = probs(q, k)  # recomputed, as a flash-attention backward does
         scale = 1 / math.sqrt(q.shape[-1])
-        dv = jnp.dot(r(p).T, r(g), precision=_HI)
-        dp = jnp.dot(r(g), r(v).T, precision=_HI)
+        dv = mm(r(p), r(g), "...qk,...qd->...kd")
+        dp = mm(r(g), r(v), "...qd,...kd->...qk")
         ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True))
-        dq = jnp.dot(r(ds), r(k), precision=_HI) * scale
-        dk = jnp.dot(r(ds).T, r(q), precision=_HI) * scale
+        dq = mm(r(ds), r(k), "...qk,...kd->...qd") * scale
+        dk = mm(r(ds), r(q), "...qk,...qd->...kd") * scale
         return dq, dk, dv
 
     f.defvjp(fwd, bwd)
@@ -170,8 +176,10 @@ def make_case(op: str, size: int, precision: str, rng: np.random.Generator, dtyp
     if op == "attention":
         f, ref = _attention(precision)
         d = 8 if size <= 64 else 16 if size <= 1024 else 64 if size <= 16384 else 128
-        seq = max(2, size // d)
-        return Case(op, f, ref, (normal(seq, d), normal(seq + 3, d), normal(seq + 3, d + 1)), 0)
+        heads = () if size <= 262144 else (-(-size // 131072),)  # module doc: large leaves are multi-head
+        seq = max(2, size // (d * math.prod(heads)))
+        return Case(op, f, ref, (normal(*heads, seq, d), normal(*heads, seq + 3, d), normal(*heads, seq + 3, d + 1)),
+                    0)
     raise ValueError(f"make_case: op must be one of {OPS}, got {op!r}")
 
 

@@ -29,6 +29,16 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
    :math:`\rho` (below); it fails when :math:`|\beta| > \max(t^{-1}_{K,1-\alpha/2}\,\sigma_\beta, \delta_p)`.
    (Before session 10 the weights were :math:`w = g^*`: a bf16 attention leaf of 64 entries then caught 3%, not 1%,
    while its Cramer-Rao floor was 0.4%.)
+   **Kink jumps are gated, not assumed.** The jump :math:`\kappa_i` of an entry fed by a rounded comparison is a
+   worst case (every uncertain comparison flipped, all jumps of one sign): behind a conv's ReLU it measured ~100x
+   the replicas' own spread at 98% of a bf16 ``dx``'s entries, so as a standard deviation it swamped the weights
+   and the spread (bf16 conv+ReLU at 16,640 entries caught 3%, not 1%). A flip is a rare, large event and the
+   replicas (the reference at ``p``) take flips at the rate rounding causes them, so the weights use
+   :math:`v^0_i` (``v`` without :math:`\kappa_i^2`), and an entry whose residual :math:`e_i - \beta g^*_i` exceeds
+   ``FLIP_GATE`` standard deviations (:math:`\rho\sqrt{v^{0\prime}_i}`) where a flip can explain it
+   (:math:`\kappa_i > 0`) gets :math:`v^{0\prime}_i + \kappa_i^2` instead (iterated with :math:`\beta`; a scale
+   error moves every entry and is absorbed into :math:`\beta`, not gated). Each replica is gated the same way
+   (by the other K - 1), so the null spread contains the flips the gate lets through and those it catches.
    :math:`\delta_p = u_p / 8` is the systematic bias a correct unit may carry (e.g. truncated alignment in a
    tensor core's adder tree); a TF32 conversion that truncates instead of rounding (about :math:`-1.4 u_p` per
    product) is above it and is reported.
@@ -56,7 +66,8 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
    norm hides it.
 
 :math:`\rho`, how much more ``fn`` rounds than the emulated reference, is estimated robustly from the median of
-:math:`e_{\perp i}^2 / v_i` (the error orthogonal to ``g*``, so a scale bug does not inflate the spread that judges
+:math:`e_{\perp i}^2 / v^0_i` (the rounding variance without the kink jumps: a worst-case jump is no measure of how
+much fn rounds; the error orthogonal to ``g*``, so a scale bug does not inflate the spread that judges
 it; the median, so a bug confined to a few entries does not either) and used as :math:`\min(\max(1, \rho), c)` in 2-4
 (beyond ``c`` the normwise test fails anyway);
 test 1 bounds it. :math:`\alpha` is split evenly over the four tests of a leaf (``FALSE_ALARM_RATE`` per leaf).
@@ -77,7 +88,7 @@ import math
 import numpy as np
 from scipy import stats as sps
 
-__all__ = ["FALSE_ALARM_RATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "SHARED_FACTOR", "LeafNull", "LeafStatistics", "bias_floor",
+__all__ = ["FALSE_ALARM_RATE", "FLIP_GATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "SHARED_FACTOR", "LeafNull", "LeafStatistics", "bias_floor",
            "entry_variance", "leaf_null", "leaf_statistics"]
 
 REPLICAS = 16  # K: rounding realisations of the reference at the hypothesis precision
@@ -97,6 +108,10 @@ SHARED_FACTOR = 2.0
 # The weighted scale test (module doc, test 2) trusts no entry's relative precision (g*_i^2 / v_i) beyond this
 # multiple of the leaf's median: a few entries that every replica computed almost exactly cannot carry the estimate.
 WEIGHT_CAP = 100.0
+# The scale test gates kink jumps (module doc, test 2): an entry with kappa_i > 0 whose residual exceeds this many of
+# its modelled standard deviations is taken as a branch flip and weighted by v0' + kappa^2. Under the Gaussian model
+# a flip-free entry passes the gate with probability 1 - 6e-5; a gated one only loses weight (it is not judged here).
+FLIP_GATE = 4.0
 _UNIT = {"f64": 2.0**-53, "f32": 2.0**-24, "tf32": 2.0**-11, "f16": 2.0**-11, "bf16": 2.0**-8}
 
 
@@ -203,6 +218,30 @@ def _sum_of_f_quantile(n: int, k: int, p_exceed: float) -> float:
     return max(bulk, tail)
 
 
+def _gated_scale(e: np.ndarray, g: np.ndarray, v0: np.ndarray, kink: np.ndarray | None, q: float, sd: float,
+                 iterations: int = 4) -> tuple[float, np.ndarray, np.ndarray]:
+    """``(beta, w, v_f)``: the weighted scale estimate of ``e`` (flat) with its kink jumps gated (module doc, test
+    2). ``v_f = max(v0, q g^2)`` plus ``kappa^2`` where the residual ``e - beta g`` exceeds ``FLIP_GATE * sd``
+    standard deviations and a flip can explain it; ``w = g / v_f``. Re-weighted until the gated set settles."""
+    vv = np.maximum(v0, q * g * g)
+    w = g / vv
+    beta = float(e @ w) / float(g @ w)
+    if kink is None or not np.any(kink > 0):
+        return beta, w, vv
+    flag = np.zeros(g.shape, bool)
+    vf = vv
+    for it in range(iterations):
+        res = e - beta * g
+        new = (kink > 0) & (res * res > (FLIP_GATE * sd) ** 2 * vv)
+        if it > 0 and np.array_equal(new, flag):
+            break
+        flag = new
+        vf = np.where(flag, vv + kink * kink, vv)
+        w = g / vf
+        beta = float(e @ w) / float(g @ w)
+    return beta, w, vf
+
+
 def _shrink(x: np.ndarray, kink: np.ndarray) -> np.ndarray:
     """sign(x) max(|x| - K, 0): the error left once a possible branch flip of size K is allowed for."""
     kk = np.asarray(kink, np.float64)
@@ -213,13 +252,14 @@ def _shrink(x: np.ndarray, kink: np.ndarray) -> np.ndarray:
 class LeafNull:
     """The part of a leaf's four tests that depends on the replicas only: variances and limits."""
 
-    v: np.ndarray  # per-entry modelled variance (entry_variance)
+    v: np.ndarray  # per-entry modelled variance (entry_variance), kink jumps included
+    v0: np.ndarray  # the same without the kink jumps: the rounding the replicas show (weights of the scale test)
     gg: float  # ||g*||^2
     den: float  # mean ||r_k,perp||^2 (replicas shrunk by the kink jumps)
     dof: float
     norm_limit: float
-    beta_spread: float  # max(replicas' RMS beta_k, independent-entry spread); times rho gives sigma_beta
-    beta_weights: np.ndarray | None  # w = g* / v' of the weighted scale estimate (module doc, test 2)
+    beta_spread: float  # the replicas' RMS beta_k (each gated by the other K - 1); times rho, part of sigma_beta
+    beta_q: float  # q: the cap on an entry's relative precision in the scale test's weights (module doc, test 2)
     beta_t: float  # t quantile of the scale test
     entry_limit: float
     slice_limits: dict  # axis -> per-slice limit of sum z_i^2
@@ -235,6 +275,7 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
     n = max(g.size, 1)
     a4 = alpha / 4
     v = entry_variance(r, g, kink)
+    v0 = v if kink is None else entry_variance(r, g, None)
     gg = float(np.vdot(g, g))
     kink_sq = float(np.sum(np.asarray(kink, np.float64) ** 2)) if kink is not None else 0.0
     kink_spread = math.sqrt(kink_sq / gg) if gg > 0 else (0.0 if kink_sq == 0 else math.inf)
@@ -252,23 +293,19 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
     dof = max(1.0, min(dof, float(n)))
     norm_limit = factor * math.sqrt(float(sps.f.isf(a4, dof, k * dof)))
 
-    # 2. scale: the replicas' RMS beta_k, or the independent-entry spread with the kink jump as one standard deviation
-    # of its entry (flips likelier at the caller's point than at the perturbed ones are not under-counted)
-    beta_spread, weights = 0.0, None
+    # 2. scale: the replicas' RMS beta_k, each weighted by the other K - 1 (leave one out: weights it did not shape,
+    # as e's are) and with its kink jumps gated like e's (module doc); the independent-entry spread is e's own
+    # (leaf_statistics), since its gated entries are e's
+    beta_spread, q = 0.0, 0.0
     if gg > 0:
-        gf, vf = g.ravel(), v.ravel()
-        rel = vf[gf != 0] / (gf[gf != 0] ** 2)
-        q = float(np.median(rel)) / WEIGHT_CAP
-        weights = gf / np.maximum(vf, q * gf * gf)
-        # each replica weighted by the other K - 1 (leave one out): weights it did not shape, as e's are
+        gf, v0f = g.ravel(), v0.ravel()
+        q = float(np.median(v0f[gf != 0] / (gf[gf != 0] ** 2))) / WEIGHT_CAP
+        kf = None if kink is None else np.asarray(kink, np.float64).ravel()
         rf = r.reshape(k, -1)
-        s2, extra = np.sum(rf * rf, axis=0), vf - np.mean(rf * rf, axis=0)
-        beta_k = np.empty(k)
-        for j in range(k):
-            w_j = gf / np.maximum(np.maximum((s2 - rf[j] ** 2) / (k - 1) + extra, 1e-300), q * gf * gf)
-            beta_k[j] = float(rf[j] @ w_j) / float(gf @ w_j)
-        gw = float(gf @ weights)
-        beta_spread = max(float(np.sqrt(np.mean(beta_k * beta_k))), float(np.sqrt(np.sum(weights**2 * vf))) / gw)
+        s2, floor = np.sum(rf * rf, axis=0), v0f - np.mean(rf * rf, axis=0)
+        beta_k = np.array([_gated_scale(rf[j], gf, np.maximum((s2 - rf[j] ** 2) / (k - 1) + floor, 1e-300), kf, q,
+                                        1.0)[0] for j in range(k)])
+        beta_spread = float(np.sqrt(np.mean(beta_k * beta_k)))
 
     # 4. slices along every axis (leaves of two or more axes). Errors within a slice can be correlated (a rounded
     # operand shared by a whole row of an outer product), so a slice sum is not a sum of independent F(1, K) terms:
@@ -302,7 +339,7 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
         v_fn = np.minimum(v_s, v_ind) + lam * lam * v_sh
         d_s = np.clip(2 * m_fn * m_fn / np.maximum(v_fn, 1e-300), 1.0, n // length)
         slice_limits[ax] = np.maximum(lim, m_fn * sps.f.isf(p_slice, d_s, k * d_s))
-    return LeafNull(v=v, gg=gg, den=den, dof=dof, norm_limit=norm_limit, beta_spread=beta_spread, beta_weights=weights,
+    return LeafNull(v=v, v0=v0, gg=gg, den=den, dof=dof, norm_limit=norm_limit, beta_spread=beta_spread, beta_q=q,
                     beta_t=float(sps.t.isf(a4 / 2, k)), entry_limit=math.sqrt(float(sps.f.isf(a4 / n, 1, k))),
                     slice_limits=slice_limits, kink_spread=kink_spread)
 
@@ -341,10 +378,11 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
     nl = null if null is not None else leaf_null(r, g, precision, kink, alpha, factor)
     v, gg = nl.v, nl.gg
     ratio = e * e / v
-    # rho from the error orthogonal to g* (a scale bug must not inflate the spread that judges it) and by the median
-    # (a bug confined to a few entries must not either)
+    # rho from the error orthogonal to g* (a scale bug must not inflate the spread that judges it), by the median (a
+    # bug confined to a few entries must not either) and against the rounding without kink jumps (a worst-case jump
+    # says nothing of how much fn rounds)
     e_orth = e - (float(np.vdot(e.ravel(), g.ravel())) / gg) * g if gg > 0 else e
-    rho = math.sqrt(float(np.median(e_orth * e_orth / v)) / float(sps.f.median(1, k))) if e.size else 0.0
+    rho = math.sqrt(float(np.median(e_orth * e_orth / nl.v0)) / float(sps.f.median(1, k))) if e.size else 0.0
     rho_s = min(max(1.0, rho), factor)  # the model allows fn up to `factor` times the rounding, never less than 1x
 
     # 1. normwise, orthogonal to g* (e shrunk by the kink jumps like the replicas: leaf_null)
@@ -355,9 +393,11 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
 
     # 2. scale / sign bias
     if gg > 0:
-        w = nl.beta_weights
-        beta = float(e.ravel() @ w) / float(g.ravel() @ w)
-        beta_sigma = rho_s * nl.beta_spread
+        gf = g.ravel()
+        kf = None if kink is None else np.asarray(kink, np.float64).ravel()
+        beta, w, vf = _gated_scale(e.ravel(), gf, nl.v0.ravel(), kf, nl.beta_q, rho_s)
+        independent = float(np.sqrt(np.sum(w * w * vf))) / float(gf @ w)  # e's gated entries, independent
+        beta_sigma = rho_s * max(nl.beta_spread, independent)
         beta_limit = max(nl.beta_t * beta_sigma, bias_floor(precision))
     else:
         beta, beta_sigma, beta_limit = 0.0, 0.0, math.inf
