@@ -335,3 +335,16 @@ def test_a_run_flipping_far_more_than_its_replicas_is_no_false_alarm_of_the_scal
         r = np.stack([run() for _ in range(16)])
         st = leaf_statistics(run(0.05), r, g, "bf16", kink)
         assert "scale" not in st.failed, st.summary()
+
+
+def test_rho_behind_kinks_is_measured_past_the_flips():
+    # rho (how much more fn rounds than its replicas) from the error minus its *gated* scale: the plain projection
+    # e.g*/g*.g* follows a few large flips, and removing it from every entry inflated the median (bf16/TF32 conv
+    # trials read rho 1.8-2.6 for a correct kernel, which then hid a 0.03% error); a run rounding 2x more reads ~2
+    for seed in range(5):
+        g, kink, run = _flipping_leaf(np.random.default_rng(100 + seed))
+        e, r = run(), np.stack([run() for _ in range(16)])
+        big = np.argsort(-np.abs(g))[:40]  # flips on the largest entries, all of one sign: a large plain projection
+        e[big] += np.sign(g[big]) * kink[big]
+        assert 0.7 < leaf_statistics(e, r, g, "bf16", kink).rho < 1.4
+        assert 1.6 < leaf_statistics(2 * e, r, g, "bf16", kink).rho < 2.6

@@ -98,6 +98,7 @@ from jaxgrad.ops.swiglu import swiglu_reference
 __all__ = ["base_weight", "block", "block_reference", "validate_block_inputs"]
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
+DM_DTYPE = None  # experiment (session 11): dm's dtype
 # the projections that share an input: each group is one GEMM where it can be (jaxgrad.lora.grouped)
 QKV = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"))
 O_PROJ = (("self_attn", "o_proj"),)
@@ -286,8 +287,11 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
     q = rope_fwd(q.reshape(b, t, hq, d), cos, sin)
     k = rope_fwd(k.reshape(b, t, hkv, d), cos, sin)
     v = v.reshape(b, t, hkv, d)
+    attn_pullback = None
     if attn != "xla":
-        o = _cudnn_attention(q, k, v, attention_mask, attn)
+        # one cuDNN forward: its pullback (cuDNN's saved output and softmax statistics) serves the backward, which
+        # used to run the forward again inside jax.vjp (session 10's profile: 0.31 ms of 7.05)
+        o, attn_pullback = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn), q, k, v)
     elif lse is None:
         o, lse = attention_fwd(q, k, v, attention_mask)
     else:
@@ -298,7 +302,7 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
     e, u = projs(h2, GATE_UP)
     m = swiglu_reference(e, u)
     return dict(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o2, x2=x2, h2=h2, e=e, u=u, m=m, lse=lse, r1=r1, r2=r2,
-                us=us), projs
+                us=us, attn_pullback=attn_pullback), projs
 
 
 def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
@@ -328,13 +332,13 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
                         kern=kern)
     grads = {}
 
-    def proj_bwd(h, g, n, dout):
+    def proj_bwd(h, g, n, dout, dh_dtype=cdt):
         """LoRA linear backward: dh = dY W + s m (G A), dA = s G^T drop(h), dB = s dY^T U."""
         a, bb = _adapter(lora, lcfg, g, n)
         w = params[g][n]["weight"]
         dyw = kern.base_dx(dout, w, dt)  # dY W by the NF4 kernel (pallas backend), else None
         w = None if dyw is not None else base_weight(w, dt)  # NF4 on XLA: re-dequantised here, never saved
-        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, cdt,
+        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, dh_dtype,
                                      dyw=dyw)
         if a is not None:
             grads.setdefault(g, {})[n] = {"lora_A": da, "lora_B": db}
@@ -342,17 +346,17 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
 
     dropout = _dropout(lcfg, dropout_key)
 
-    def projs_bwd(h, names, douts):
-        """dh of the projections ``names`` of one input h (the sum over them): one GEMM [dY... | s G...] [W...; A...]
-        (grouped.py), else one by one; records their A/B gradients."""
+    def projs_bwd(h, names, douts, dh_dtype=cdt):
+        """dh of the projections ``names`` of one input h (the sum over them, in ``dh_dtype``): one GEMM [dY... | s
+        G...] [W...; A...] (grouped.py), else one by one; records their A/B gradients."""
         ws = [params[g][n]["weight"] for g, n in names]
         if not groupable(kern, ws, dropout):
-            dh = proj_bwd(h, *names[0], douts[0])
+            dh = proj_bwd(h, *names[0], douts[0], dh_dtype)
             for (g, n), dout in zip(names[1:], douts[1:]):
-                dh = dh + proj_bwd(h, g, n, dout)
+                dh = dh + proj_bwd(h, g, n, dout, dh_dtype)
             return dh
         dh, ab = group_bwd(h, [base_weight(w, dt) for w in ws], [_adapter(lora, lcfg, g, n) for g, n in names],
-                           [act["us"].get(name) for name in names], s, douts, cdt)
+                           [act["us"].get(name) for name in names], s, douts, dh_dtype)
         for (g, n), gr in zip(names, ab):
             if gr is not None:
                 grads.setdefault(g, {})[n] = {"lora_A": gr[0], "lora_B": gr[1]}
@@ -360,7 +364,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
 
     dy = dy.astype(cdt)
     # residual 2: y = x2 + down(m)  ->  dx2 starts as dy
-    dm = projs_bwd(act["m"], DOWN, [dy])
+    dm = projs_bwd(act["m"], DOWN, [dy], DM_DTYPE or cdt)
     # SwiGLU: de = dm u silu'(e), du = dm silu(e), silu'(e) = sigma(e) (1 + e (1 - sigma(e)))
     de, du = swiglu_bwd_math(act["e"].astype(cdt), act["u"].astype(cdt), dm)
     dh2 = projs_bwd(act["h2"], GATE_UP, [de, du])
@@ -370,9 +374,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     # residual 1: x2 = x + o_proj(attn)
     do = projs_bwd(act["o2"], O_PROJ, [dx2]).reshape(b, t, hq, d)
     if attn != "xla":
-        _, pullback = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn),
-                              act["q"], act["k"], act["v"])
-        dqr, dkr, dv = pullback(do.astype(dt))
+        dqr, dkr, dv = act["attn_pullback"](do.astype(dt))
     else:
         # dS = P (dP - rowsum(P dP)), dQ = c dS K, dK = c sum_g dS^T Q, dV = sum_g P^T dO
         dqr, dkr, dv = attention_bwd(act["q"], act["k"], act["v"], lse, do, attention_mask)

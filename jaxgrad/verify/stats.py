@@ -67,7 +67,8 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
 
 :math:`\rho`, how much more ``fn`` rounds than the emulated reference, is estimated robustly from the median of
 :math:`e_{\perp i}^2 / v^0_i` (the rounding variance without the kink jumps: a worst-case jump is no measure of how
-much fn rounds; the error orthogonal to ``g*``, so a scale bug does not inflate the spread that judges
+much fn rounds; behind kinks, against the replicas' own median of that ratio, since an entry's error is then a
+mixture of rounding and flips; the error orthogonal to ``g*``, so a scale bug does not inflate the spread that judges
 it; the median, so a bug confined to a few entries does not either) and used as :math:`\min(\max(1, \rho), c)` in 2-4
 (beyond ``c`` the normwise test fails anyway);
 test 1 bounds it. :math:`\alpha` is split evenly over the four tests of a leaf (``FALSE_ALARM_RATE`` per leaf).
@@ -260,6 +261,7 @@ class LeafNull:
     norm_limit: float
     beta_spread: float  # the replicas' RMS beta_k (each gated by the other K - 1); times rho, part of sigma_beta
     beta_q: float  # q: the cap on an entry's relative precision in the scale test's weights (module doc, test 2)
+    rho_median: float  # what median(e_perp^2 / v0) is for a correct run: F(1, K)'s median, or the replicas' own
     beta_t: float  # t quantile of the scale test
     entry_limit: float
     slice_limits: dict  # axis -> per-slice limit of sum z_i^2
@@ -307,6 +309,19 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
                                         1.0)[0] for j in range(k)])
         beta_spread = float(np.sqrt(np.mean(beta_k * beta_k)))
 
+    # rho's yardstick: for Gaussian entries median(e_perp^2 / v0) is F(1, K)'s median; behind kinks an entry's error
+    # is a mixture (a flip or not), so the replicas' own medians (each against the other K - 1) say what it is
+    rho_median = float(sps.f.median(1, k))
+    if kink is not None and gg > 0:
+        gf, rf = g.ravel(), r.reshape(k, -1)
+        s2, floor = np.sum(rf * rf, axis=0), v0.ravel() - np.mean(rf * rf, axis=0)
+        meds = []
+        for j in range(k):  # each replica as leaf_statistics treats e: minus its gated scale, against the others
+            v0j = np.maximum((s2 - rf[j] ** 2) / (k - 1) + floor, 1e-300)
+            bj = _gated_scale(rf[j], gf, v0j, np.asarray(kink, np.float64).ravel(), q, 1.0)[0]
+            meds.append(float(np.median((rf[j] - bj * gf) ** 2 / v0j)))
+        rho_median = max(float(np.median(meds)), 1e-300)
+
     # 4. slices along every axis (leaves of two or more axes). Errors within a slice can be correlated (a rounded
     # operand shared by a whole row of an outer product), so a slice sum is not a sum of independent F(1, K) terms:
     # its distribution is taken from the replicas' own slice sums (each judged with the variance of the others).
@@ -340,6 +355,7 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
         d_s = np.clip(2 * m_fn * m_fn / np.maximum(v_fn, 1e-300), 1.0, n // length)
         slice_limits[ax] = np.maximum(lim, m_fn * sps.f.isf(p_slice, d_s, k * d_s))
     return LeafNull(v=v, v0=v0, gg=gg, den=den, dof=dof, norm_limit=norm_limit, beta_spread=beta_spread, beta_q=q,
+                    rho_median=rho_median,
                     beta_t=float(sps.t.isf(a4 / 2, k)), entry_limit=math.sqrt(float(sps.f.isf(a4 / n, 1, k))),
                     slice_limits=slice_limits, kink_spread=kink_spread)
 
@@ -382,7 +398,11 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
     # bug confined to a few entries must not either) and against the rounding without kink jumps (a worst-case jump
     # says nothing of how much fn rounds)
     e_orth = e - (float(np.vdot(e.ravel(), g.ravel())) / gg) * g if gg > 0 else e
-    rho = math.sqrt(float(np.median(e_orth * e_orth / nl.v0)) / float(sps.f.median(1, k))) if e.size else 0.0
+    if kink is not None and gg > 0:  # behind kinks the plain projection follows the flips: use the gated estimate
+        beta0 = _gated_scale(e.ravel(), g.ravel(), nl.v0.ravel(), np.asarray(kink, np.float64).ravel(), nl.beta_q,
+                             1.0)[0]
+        e_orth = e - beta0 * g
+    rho = math.sqrt(float(np.median(e_orth * e_orth / nl.v0)) / nl.rho_median) if e.size else 0.0
     rho_s = min(max(1.0, rho), factor)  # the model allows fn up to `factor` times the rounding, never less than 1x
 
     # 1. normwise, orthogonal to g* (e shrunk by the kink jumps like the replicas: leaf_null)
