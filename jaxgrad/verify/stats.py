@@ -45,7 +45,8 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
 3. **Entries.** :math:`z_i^2 = e_i^2 / (\rho^2 v_i)` with the per-entry variance
    :math:`v_i = \overline{r_{ki}^2} + \kappa_i^2 + u_{f32}^2 (g_i^{*2} + \mathrm{rms}(g^*)^2/16)` (replicas, the
    kink jump :math:`\kappa_i` where a rounded comparison may flip, and one f32 rounding of the result and of a
-   quarter of the leaf's RMS, for entries every replica computed exactly);
+   quarter of the leaf's RMS, for entries every replica computed exactly; behind kinks :math:`\rho` scales the
+   rounding part only, :math:`z_i^2 = e_i^2 / (\rho^2 v^0_i + \kappa_i^2)`);
    :math:`e_i^2/\overline{r_{ki}^2}` is :math:`F(1, K)`, so the largest fails above
    :math:`F^{-1}_{1-\alpha/n}(1, K)` (Bonferroni over the ``n`` entries).
 4. **Slices.** For every axis of a leaf with two or more axes, and every index along it (a row, a column, a
@@ -423,7 +424,8 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
         beta, beta_sigma, beta_limit = 0.0, 0.0, math.inf
 
     # 3. entries
-    z2 = ratio / (rho_s * rho_s)
+    # fn's extra rounding scales the rounding part of an entry's variance, not its kink jump (a worst case already)
+    z2 = ratio / (rho_s * rho_s) if kink is None else e * e / (rho_s * rho_s * nl.v0 + (v - nl.v0))
     worst = int(np.argmax(z2)) if e.size else 0
     entry_z = math.sqrt(float(z2.ravel()[worst])) if e.size else 0.0
     entry_index = tuple(int(i) for i in np.unravel_index(worst, e.shape)) if e.size else ()
