@@ -3,7 +3,8 @@
 For each variant: XLA's temp/argument/output bytes (``compiled.memory_analysis()``), then the largest buffers live
 at the peak from XLA's buffer assignment of the baseline (dumped with --xla_dump_to). Variants: ``DM_DTYPE`` None
 (dm, the down projection's dx, in fp32) or bf16 (rounded once to the block's dtype).
-Run: ``python3 benchmarks/device/session11_mem.py $OUT/mem`` (header from JAXGRAD_COMMIT / JAXGRAD_DIRTY).
+Result (pass 3): dm in bf16 left the temp bytes unchanged (860.8 MiB), so the hook (``block.DM_DTYPE``) was removed
+afterwards; setting it now does nothing. Run: ``python3 benchmarks/device/session11_mem.py $OUT/mem`` (header from JAXGRAD_COMMIT / JAXGRAD_DIRTY).
 """
 import glob
 import importlib

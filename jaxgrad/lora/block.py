@@ -75,8 +75,8 @@ others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
 ``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates
 it); ``"pallas"`` is this VJP with both RMSNorms and the NF4 base products as Pallas kernels
 (:mod:`jaxgrad.lora.kernels`; the same saved statistics). ``attention="cudnn"`` runs the attention core through
-``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``,
-and nothing is saved for it); a padding mask is then passed as per-row key lengths, so it must be right padding.
+``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``
+taken once in the backward's recompute, so cuDNN's forward runs once there; nothing is saved for it in the forward); a padding mask is then passed as per-row key lengths, so it must be right padding.
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ from jaxgrad.ops.swiglu import swiglu_reference
 __all__ = ["base_weight", "block", "block_reference", "validate_block_inputs"]
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
-DM_DTYPE = None  # experiment (session 11): dm's dtype
 # the projections that share an input: each group is one GEMM where it can be (jaxgrad.lora.grouped)
 QKV = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"))
 O_PROJ = (("self_attn", "o_proj"),)
@@ -332,13 +331,13 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
                         kern=kern)
     grads = {}
 
-    def proj_bwd(h, g, n, dout, dh_dtype=cdt):
+    def proj_bwd(h, g, n, dout):
         """LoRA linear backward: dh = dY W + s m (G A), dA = s G^T drop(h), dB = s dY^T U."""
         a, bb = _adapter(lora, lcfg, g, n)
         w = params[g][n]["weight"]
         dyw = kern.base_dx(dout, w, dt)  # dY W by the NF4 kernel (pallas backend), else None
         w = None if dyw is not None else base_weight(w, dt)  # NF4 on XLA: re-dequantised here, never saved
-        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, dh_dtype,
+        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, cdt,
                                      dyw=dyw)
         if a is not None:
             grads.setdefault(g, {})[n] = {"lora_A": da, "lora_B": db}
@@ -346,17 +345,17 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
 
     dropout = _dropout(lcfg, dropout_key)
 
-    def projs_bwd(h, names, douts, dh_dtype=cdt):
-        """dh of the projections ``names`` of one input h (the sum over them, in ``dh_dtype``): one GEMM [dY... | s
-        G...] [W...; A...] (grouped.py), else one by one; records their A/B gradients."""
+    def projs_bwd(h, names, douts):
+        """dh of the projections ``names`` of one input h (the sum over them): one GEMM [dY... | s G...] [W...; A...]
+        (grouped.py), else one by one; records their A/B gradients."""
         ws = [params[g][n]["weight"] for g, n in names]
         if not groupable(kern, ws, dropout):
-            dh = proj_bwd(h, *names[0], douts[0], dh_dtype)
+            dh = proj_bwd(h, *names[0], douts[0])
             for (g, n), dout in zip(names[1:], douts[1:]):
-                dh = dh + proj_bwd(h, g, n, dout, dh_dtype)
+                dh = dh + proj_bwd(h, g, n, dout)
             return dh
         dh, ab = group_bwd(h, [base_weight(w, dt) for w in ws], [_adapter(lora, lcfg, g, n) for g, n in names],
-                           [act["us"].get(name) for name in names], s, douts, dh_dtype)
+                           [act["us"].get(name) for name in names], s, douts, cdt)
         for (g, n), gr in zip(names, ab):
             if gr is not None:
                 grads.setdefault(g, {})[n] = {"lora_A": gr[0], "lora_B": gr[1]}
@@ -364,7 +363,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
 
     dy = dy.astype(cdt)
     # residual 2: y = x2 + down(m)  ->  dx2 starts as dy
-    dm = projs_bwd(act["m"], DOWN, [dy], DM_DTYPE or cdt)
+    dm = projs_bwd(act["m"], DOWN, [dy])
     # SwiGLU: de = dm u silu'(e), du = dm silu(e), silu'(e) = sigma(e) (1 + e (1 - sigma(e)))
     de, du = swiglu_bwd_math(act["e"].astype(cdt), act["u"].astype(cdt), dm)
     dh2 = projs_bwd(act["h2"], GATE_UP, [de, du])

@@ -320,7 +320,8 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
         for j in range(k):  # each replica as leaf_statistics treats e: minus its gated scale, against the others
             v0j = np.maximum((s2 - rf[j] ** 2) / (k - 1) + floor, 1e-300)
             bj = _gated_scale(rf[j], gf, v0j, np.asarray(kink, np.float64).ravel(), q, 1.0)[0]
-            meds.append(float(np.median((rf[j] - bj * gf) ** 2 / v0j)))
+            with np.errstate(over="ignore"):  # an entry the other K - 1 computed exactly: inf, harmless to a median
+                meds.append(float(np.median((rf[j] - bj * gf) ** 2 / v0j)))
         rho_median = max(float(np.median(meds)), 1e-300)
 
     # 4. slices along every axis (leaves of two or more axes). Errors within a slice can be correlated (a rounded
