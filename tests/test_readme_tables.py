@@ -180,3 +180,25 @@ def test_one_suite_tables(fake_results):
     assert "toy-fake-gpu-20260102-000000.json" in _render(fake_results, "bench.toy")
     assert "no benchmark results" in _render(fake_results, "bench.kan")
     assert "toy-fake-gpu-20260103-000000.json" in _render(fake_results, "bench-full.toy")
+
+
+def test_detection_table_takes_newer_cells_of_a_partial_sweep_with_as_many_trials(fake_results):
+    # the verifier changed for one op: its newer sweep (same trials) replaces those cells and is named; a newer
+    # sweep with fewer trials (a quick check) does not
+    def write(name, stamp, ops, limit, trials):
+        rows = [{"op": op, "precision": "tf32", "size": 64, "entries": 64, "trials": trials, "kinks": False,
+                 "smallest_scale_caught_in_all": limit, "caught_in_all": {str(limit): True}} for op in ops]
+        (fake_results / name).write_text(json.dumps({"environment": {"datetime_utc": stamp, "commit": "c0ffee1"},
+                                                     "summary": {"replicas": 16, "false_alarms": 0, "correct_runs": 4,
+                                                                 "model_false_alarm_rate_per_leaf": 1e-4},
+                                                     "rows": rows}))
+
+    write("verify-detection-fake-gpu-20260105-000000.json", "2026-01-05T00:00:00+00:00",
+          ("dense", "conv_relu", "attention"), 0.002, 2)
+    write("verify-detection-fake-gpu-20260108-000000.json", "2026-01-08T00:00:00+00:00", ("conv_relu",), 0.0003, 2)
+    write("verify-detection-fake-gpu-20260109-000000.json", "2026-01-09T00:00:00+00:00", ("conv_relu",), 0.1, 1)
+    text = _render(fake_results, "detection")
+    assert "| conv3x3+ReLU (x) | 64 | no | - | 0.0003 | - | - |" in text
+    assert "| dense (W) | 64 | no | - | 0.002 | - | - |" in text
+    assert "`conv_relu` from the newer [`verify-detection-fake-gpu-20260108-000000.json`]" in text
+    assert "20260109" not in text and "0 false alarms in 8 leaves" in text
