@@ -152,19 +152,30 @@ def test_block_vjp_verified_bf16():
     assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
 
 
-def test_block_saves_only_inputs_and_fp32_statistics():
+def test_block_saves_inputs_the_residual_stream_and_fp32_statistics():
     params, lora, x = make_block(5, jnp.bfloat16)
     y, res = jax.eval_shape(lambda p, l, x: block_mod._block_fwd(CFG, LCFG, "xla", p, l, x, None, None, None),
                             params, lora, x)
     assert y.dtype == jnp.bfloat16
-    saved_params, saved_lora, saved_x, positions, mask, key, r1, r2, lse = res
+    saved_params, saved_lora, saved_x, positions, mask, key, x2, r1, r2, lse = res
     assert jax.tree.structure(saved_params) == jax.tree.structure(params)  # the inputs themselves ...
     assert jax.tree.structure(saved_lora) == jax.tree.structure(lora)
     assert saved_x.shape == x.shape and positions is mask is key is None
-    # ... plus the fp32 row statistics and the fp32 log-sum-exp, nothing of size [B, T, H] or [B, Hq, T, T]
+    # ... x2 between the halves (one [B, T, H] in the block's dtype, so the backward recomputes them one at a time),
+    # the fp32 row statistics and the fp32 log-sum-exp; nothing else of size [B, T, H] and nothing [B, Hq, T, T]
+    assert x2.shape == x.shape and x2.dtype == x.dtype
     assert r1.dtype == r2.dtype == lse.dtype == jnp.float32
     assert r1.shape == r2.shape == (B, T)
     assert lse.shape == (B, CFG.num_key_value_heads, CFG.num_groups, T)
+
+
+def test_backward_recomputes_the_attention_half_after_the_mlp_backward():
+    # the attention half's recompute reads x through a barrier tied to dx2, so its activations cannot be alive
+    # during the MLP's backward (the peak of session 10's block)
+    params, lora, x = make_block(5, jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda l, x: jax.vjp(lambda l, x: block(params, l, x, CFG, LCFG), l, x)[1](x))(lora, x)
+    text = str(jaxpr)
+    assert text.count("optimization_barrier") == 1
 
 
 def test_block_nf4_base_weights_match_dense_dequantised():

@@ -177,7 +177,7 @@ def test_pallas_block_saves_the_same_as_xla():
     for kern in (BlockKernels("xla"), BlockKernels("pallas", True)):
         _, res = jax.eval_shape(lambda p, ad, x, k=kern: block_mod._block_fwd(CFG, LCFG, "xla", p, ad, x, None, None,
                                                                               None, k), params, lora, x)
-        saved_params, saved_lora, saved_x, positions, mask, key, r1, r2, lse = res
+        saved_params, saved_lora, saved_x, positions, mask, key, x2, r1, r2, lse = res
         assert jax.tree.structure(saved_params) == jax.tree.structure(params)
         assert jax.tree.structure(saved_lora) == jax.tree.structure(lora) and saved_x.shape == x.shape
         assert positions is mask is key is None

@@ -60,17 +60,23 @@ and for NF4 weights on the Pallas backend (the NF4 kernels' products) the block 
 sums as per projection.
 
 What the VJP saves (besides its inputs: ``x``, the frozen weights, norm weights and adapters, which are alive
-anyway): the fp32 row statistics :math:`r_1, r_2` ``[B, T]`` and the attention log-sum-exp ``[B, Hq, T]`` in fp32.
-Everything else (``h1``, q/k/v, RoPE, ``P``, ``o``, ``x2``, ``h2``, ``e``, ``u``, ``m``, the LoRA ``U``, dropout masks
-from the key, NF4 dequantisation, the stacked weights) is recomputed in the backward. At the benchmark shape
-(batch 4, seq 2048, hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) that is
+anyway): the residual stream between the two halves, ``x_2`` (in the block's dtype), the fp32 row statistics
+:math:`r_1, r_2` ``[B, T]`` and the attention log-sum-exp ``[B, Hq, T]`` in fp32. Everything else (``h1``, q/k/v,
+RoPE, ``P``, ``o``, ``h2``, ``e``, ``u``, ``m``, the LoRA ``U``, dropout masks from the key, NF4 dequantisation, the
+stacked weights) is recomputed in the backward, in two halves: the MLP half from the saved ``x_2`` first, and the
+attention half only once the MLP's backward has produced :math:`\bar x_2` (an ``optimization_barrier`` ties its
+input to :math:`\bar x_2`), so that the two halves' activations are never alive together. (Until session 11 the
+whole forward was recomputed up front: at the benchmark shape the attention half's 128 MiB stayed alive through the
+MLP backward, and the o_proj GEMM ran again for ``x_2``.) At the benchmark shape (batch 4, seq 2048, hidden 2048, 16
+heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) that is
 
 * ``x``: 4 x 2048 x 2048 x 2 B = 33,554,432 B (32 MiB; the block input, saved as a residual);
+* ``x_2``: the same, 33,554,432 B;
 * ``r1``, ``r2``: 2 x 4 x 2048 x 4 B = 65,536 B;
 * ``lse``: 4 x 16 x 2048 x 4 B = 524,288 B;
 
-589,824 B (576 KiB) beyond the input, 34,144,256 B (32.6 MiB) with it. ``jax.grad`` of the plain block keeps, among
-others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
+34,144,256 B (32.6 MiB) beyond the input, 67,698,688 B (64.6 MiB) with it. ``jax.grad`` of the plain block keeps,
+among others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
 
 ``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates
 it); ``"pallas"`` is this VJP with both RMSNorms and the NF4 base products as Pallas kernels
@@ -252,13 +258,9 @@ def _dropout(lcfg, dropout_key) -> bool:
     return lcfg is not None and dropout_key is not None and lcfg.lora_dropout > 0
 
 
-def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2=None,
-               kern=XLA):
-    """The forward from the saved statistics; returns every activation the backward needs (with the LoRA ``U``
-    of each grouped projection, ``act["us"]``) and ``projs``, which the forward itself uses for down_proj."""
-    dt = x.dtype
-    b, t, _ = x.shape
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+def _projections(lcfg, params, lora, dropout_key, kern, dt):
+    """``(projs, us)``: ``projs(h, names)`` runs the projections ``names`` of one input (one GEMM [W...; A...] where
+    they can be grouped, grouped.py, else one by one); ``us`` collects each grouped projection's LoRA ``U``."""
     s = 0.0 if lcfg is None else lcfg.scale
     dropout = _dropout(lcfg, dropout_key)
     us = {}
@@ -271,7 +273,6 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
                                _keep(lcfg, dropout_key, g, n, h.shape, dt), xw=xw)
 
     def projs(h, names):
-        """The projections ``names`` of one input: one GEMM [W...; A...] (grouped.py), else one by one."""
         ws = [params[g][n]["weight"] for g, n in names]
         if not groupable(kern, ws, dropout):
             return [proj(h, g, n) for g, n in names]
@@ -279,6 +280,15 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
         us.update(zip(names, u))
         return ys
 
+    return projs, us
+
+
+def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, lse, projs, kern=XLA):
+    """The attention half of the forward, ``x -> o`` (and ``x_2 = x + P_o(o)`` in the forward, where ``projs`` is
+    called for o_proj by the caller): every activation its backward needs."""
+    dt = x.dtype
+    b, t, _ = x.shape
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     cos, sin = _cos_sin(cfg, positions, b, t, dt)
     # h1 = w_in * (x r1), r1 = rsqrt(mean(x^2) + eps) in fp32: computed in the forward, the saved one afterwards
     h1, r1 = kern.norm(x, params["input_layernorm"]["weight"], cfg.rms_norm_eps, r1)
@@ -295,13 +305,15 @@ def _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
         o, lse = attention_fwd(q, k, v, attention_mask)
     else:
         o = attention_out_from_lse(q, k, v, lse, attention_mask).astype(dt)
-    o2 = o.reshape(b, t, hq * d)
-    x2 = x + projs(o2, O_PROJ)[0]
+    return dict(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o.reshape(b, t, hq * d), lse=lse, r1=r1,
+                attn_pullback=attn_pullback)
+
+
+def _recompute_mlp(cfg, params, x2, r2, projs, kern=XLA):
+    """The MLP half of the forward from ``x_2``: ``h_2``, ``e``, ``u``, ``m`` (and ``r_2``)."""
     h2, r2 = kern.norm(x2, params["post_attention_layernorm"]["weight"], cfg.rms_norm_eps, r2)
     e, u = projs(h2, GATE_UP)
-    m = swiglu_reference(e, u)
-    return dict(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o2, x2=x2, h2=h2, e=e, u=u, m=m, lse=lse, r1=r1, r2=r2,
-                us=us, attn_pullback=attn_pullback), projs
+    return dict(h2=h2, e=e, u=u, m=swiglu_reference(e, u), r2=r2)
 
 
 def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
@@ -313,22 +325,27 @@ _block = jax.custom_vjp(_block_impl, nondiff_argnums=(0, 1, 2, 9))
 
 
 def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
-    act, projs = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, None, None,
-                            kern=kern)
-    y = act["x2"] + projs(act["m"], DOWN)[0]
-    # saved: inputs + fp32 row statistics r1, r2 [B, T] + fp32 lse [B, Hkv, G, T]; everything else is recomputed
-    return y, (params, lora, x, positions, attention_mask, dropout_key, act["r1"], act["r2"], act["lse"])
+    projs, _ = _projections(lcfg, params, lora, dropout_key, kern, x.dtype)
+    att = _recompute_attention(cfg, attn, params, x, positions, attention_mask, None, None, projs, kern)
+    x2 = x + projs(att["o2"], O_PROJ)[0]
+    mlp = _recompute_mlp(cfg, params, x2, None, projs, kern)
+    y = x2 + projs(mlp["m"], DOWN)[0]
+    # saved: inputs, x2 (the residual stream between the halves, so that the backward recomputes the MLP half
+    # first and the attention half only after it: the two halves' activations are never alive together) and the
+    # fp32 row statistics r1, r2 [B, T] and lse [B, Hkv, G, T]; everything else is recomputed
+    return y, (params, lora, x, positions, attention_mask, dropout_key, x2, att["r1"], mlp["r2"], att["lse"])
 
 
 def _block_bwd(cfg, lcfg, attn, kern, res, dy):
-    params, lora, x, positions, attention_mask, dropout_key, r1, r2, lse = res
+    params, lora, x, positions, attention_mask, dropout_key, x2, r1, r2, lse = res
     dt = x.dtype
     cdt = jnp.promote_types(dt, jnp.float32)  # gradient sums stay in fp32 (f64 for f64) until the end
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     s = 0.0 if lcfg is None else lcfg.scale
-    act, _ = _recompute(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, r1, lse, r2,
-                        kern=kern)
+    projs, us = _projections(lcfg, params, lora, dropout_key, kern, dt)
+    act = _recompute_mlp(cfg, params, x2, r2, projs, kern)  # the MLP half first (x2 saved)
+    act["us"] = us
     grads = {}
 
     def proj_bwd(h, g, n, dout):
@@ -368,8 +385,13 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     de, du = swiglu_bwd_math(act["e"].astype(cdt), act["u"].astype(cdt), dm)
     dh2 = projs_bwd(act["h2"], GATE_UP, [de, du])
     # post-attention RMSNorm: dx2 += r2 (g - n2 mean(g n2)), dw_post = sum dh2 n2
-    dx2_norm, dw_post = kern.norm_bwd(act["x2"], params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
+    dx2_norm, dw_post = kern.norm_bwd(x2, params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
     dx2 = dy + dx2_norm
+    # the attention half is recomputed only now: the barrier makes its inputs depend on dx2, so XLA cannot schedule
+    # it early and keep its activations (h1, q, k, v, o: 128 MiB at the benchmark shape) alive through the MLP's
+    # backward (what the peak was made of before)
+    x_late, dx2 = jax.lax.optimization_barrier((x, dx2))
+    act.update(_recompute_attention(cfg, attn, params, x_late, positions, attention_mask, r1, lse, projs, kern))
     # residual 1: x2 = x + o_proj(attn)
     do = projs_bwd(act["o2"], O_PROJ, [dx2]).reshape(b, t, hq, d)
     if attn != "xla":
@@ -382,7 +404,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     dk = rope_bwd_x(dkr.astype(cdt), act["cos"], act["sin"]).reshape(b, t, hkv * d)
     dv = dv.astype(cdt).reshape(b, t, hkv * d)
     dh1 = projs_bwd(act["h1"], QKV, [dq, dk, dv])
-    dx1, dw_in = kern.norm_bwd(x, params["input_layernorm"]["weight"], r1, dh1, cdt)
+    dx1, dw_in = kern.norm_bwd(x_late, params["input_layernorm"]["weight"], r1, dh1, cdt)
     dx = (dx2 + dx1).astype(dt)  # both residual sums
     dparams = {k: None for k in params}  # frozen projection weights: zero cotangent (stop_gradient semantics)
     dparams["input_layernorm"] = {"weight": dw_in}
