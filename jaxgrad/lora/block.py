@@ -63,12 +63,15 @@ What the VJP saves (besides its inputs: ``x``, the frozen weights, norm weights 
 anyway): the residual stream between the two halves, ``x_2`` (in the block's dtype), the fp32 row statistics
 :math:`r_1, r_2` ``[B, T]`` and the attention log-sum-exp ``[B, Hq, T]`` in fp32. Everything else (``h1``, q/k/v,
 RoPE, ``P``, ``o``, ``h2``, ``e``, ``u``, ``m``, the LoRA ``U``, dropout masks from the key, NF4 dequantisation, the
-stacked weights) is recomputed in the backward, in two halves: the MLP half from the saved ``x_2`` first, and the
-attention half only once the MLP's backward has produced :math:`\bar x_2` (an ``optimization_barrier`` ties its
-input to :math:`\bar x_2`), so that the two halves' activations are never alive together. (Until session 11 the
-whole forward was recomputed up front: at the benchmark shape the attention half's 128 MiB stayed alive through the
-MLP backward, and the o_proj GEMM ran again for ``x_2``.) At the benchmark shape (batch 4, seq 2048, hidden 2048, 16
-heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) that is
+stacked weights) is recomputed in the backward, in two halves: the MLP half from the saved ``x_2`` first, then the
+attention half from ``x``. When the forward and the backward are one XLA program (a jitted training step), XLA
+shares each recomputation with the forward's identical one (common subexpressions), so the recompute costs no time
+but the forward's activations stay alive until their backward use. ``low_memory=True`` ties the attention half's
+input to :math:`\bar x_2` with an ``optimization_barrier``: it is recomputed for real after the MLP's backward, so
+the two halves' activations are never alive together. Measured on the H100 at the benchmark shape (session 11,
+``benchmarks/results/lora-nvidia-h100-80gb-hbm3-20261125-122133.*``): peak 1015 MiB and 6.75 ms with it, 1149 MiB
+and 5.88 ms without (``...-113928.*``, an earlier run; PEFT 1073 MiB). At the benchmark shape (batch 4, seq 2048,
+hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) the saved tensors are
 
 * ``x``: 4 x 2048 x 2048 x 2 B = 33,554,432 B (32 MiB; the block input, saved as a residual);
 * ``x_2``: the same, 33,554,432 B;
@@ -387,10 +390,12 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     # post-attention RMSNorm: dx2 += r2 (g - n2 mean(g n2)), dw_post = sum dh2 n2
     dx2_norm, dw_post = kern.norm_bwd(x2, params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
     dx2 = dy + dx2_norm
-    # the attention half is recomputed only now: the barrier makes its inputs depend on dx2, so XLA cannot schedule
-    # it early and keep its activations (h1, q, k, v, o: 128 MiB at the benchmark shape) alive through the MLP's
-    # backward (what the peak was made of before)
-    x_late, dx2 = jax.lax.optimization_barrier((x, dx2))
+    # the attention half. By default it is the forward's own computation again, which XLA shares with the forward
+    # when both are in one program (a training step): free, but its activations stay alive through the MLP's
+    # backward. low_memory: the barrier makes its input depend on dx2, so it is recomputed for real, only now
+    x_late = x
+    if kern.low_memory:
+        x_late, dx2 = jax.lax.optimization_barrier((x, dx2))
     act.update(_recompute_attention(cfg, attn, params, x_late, positions, attention_mask, r1, lse, projs, kern))
     # residual 1: x2 = x + o_proj(attn)
     do = projs_bwd(act["o2"], O_PROJ, [dx2]).reshape(b, t, hq, d)
@@ -421,7 +426,7 @@ _block.defvjp(_block_fwd, _block_bwd)
 
 def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, positions=None, attention_mask=None,
           dropout_key=None, *, backend: str = "xla", attention: str = "xla", interpret: bool | None = None,
-          group_projections: bool = False):
+          group_projections: bool = False, low_memory: bool = False):
     """One Llama decoder block with LoRA, forward; its VJP is hand-written (see the module docstring).
 
     Args:
@@ -445,6 +450,8 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       group_projections: the custom VJP runs the projections that share an input as one GEMM each with the LoRA
         ``A`` rows folded in (module docstring, "Grouped projections"); off by default until measured faster on a
         GPU.
+      low_memory: the backward recomputes the attention half for real after the MLP's backward instead of sharing
+        the forward's (module docstring, "What the VJP saves"): less peak memory, more time.
     """
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
@@ -460,15 +467,15 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
                                attention=attention)
     # interpret only matters to the kernels: the xla backend ignores it (and gets one trace whatever it is)
     kern = BlockKernels(backend, None if interpret is None or backend != "pallas" else bool(interpret),
-                        bool(group_projections))
+                        bool(group_projections), bool(low_memory))
     return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern)
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                implementation="xla", group_projections=False):
+                implementation="xla", group_projections=False, low_memory=False):
     """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation
     (tests run it with ``"xla"`` on the CPU)."""
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
     return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
-                  BlockKernels(group=bool(group_projections)))
+                  BlockKernels(group=bool(group_projections), low_memory=bool(low_memory)))

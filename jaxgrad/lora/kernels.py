@@ -51,6 +51,9 @@ class BlockKernels:
     # projections sharing an input as one GEMM with the LoRA A rows folded in (jaxgrad.lora.grouped); off by
     # default until it is measured faster on a GPU (NOTES.md, session 10)
     group: bool = False
+    # the backward recomputes the attention half for real, after the MLP backward (an optimization_barrier): less
+    # peak memory, more time (block.py's module doc, "What the VJP saves"); off by default
+    low_memory: bool = False
 
     @property
     def pallas(self) -> bool:
