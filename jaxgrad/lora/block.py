@@ -23,8 +23,8 @@ Backward (:func:`block`'s VJP, every term; :mod:`jaxgrad.ops` has each one's equ
 7. q, k, v: :math:`\bar h_1` = the sum of the three, and their A/B gradients;
 8. input RMSNorm: :math:`\bar x_1, \bar w_\mathrm{in}`; residual 1: :math:`\bar x = \bar x_2 + \bar x_1`.
 
-**Grouped projections** (:mod:`jaxgrad.lora.grouped`, issue #13; ``group_projections=True``, off by default until
-it is measured faster on a GPU). The projections that share an input run as one
+**Grouped projections** (:mod:`jaxgrad.lora.grouped`, issue #13; ``group_projections=True``, off by default: on the
+H100 5.81 ms against 5.88 ms at +459 MiB of peak memory, session 11). The projections that share an input run as one
 GEMM each, with the LoRA ``A`` matrices folded in as extra rows of the frozen weight (``U = h A^T``, fp32
 accumulation; f64 for f64):
 
@@ -448,8 +448,8 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       interpret: ``backend="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a
         GPU, as everywhere in :mod:`jaxgrad.pallas_backend`; ``True`` forces it, e.g. on a GPU machine's CPU).
       group_projections: the custom VJP runs the projections that share an input as one GEMM each with the LoRA
-        ``A`` rows folded in (module docstring, "Grouped projections"); off by default until measured faster on a
-        GPU.
+        ``A`` rows folded in (module docstring, "Grouped projections"); off by default (measured 1% faster at
+        +459 MiB of peak memory on the H100).
       low_memory: the backward recomputes the attention half for real after the MLP's backward instead of sharing
         the forward's (module docstring, "What the VJP saves"): less peak memory, more time.
     """
