@@ -76,6 +76,28 @@ def test_float64_and_leading_axes():
         np.testing.assert_allclose(vjp(g)[0], vjp0(g)[0], rtol=1e-13, atol=1e-13)
 
 
+def test_float64_compiled_for_a_gpu_takes_the_xla_path():
+    # the compiled (Triton) kernels gave a wrong float64 dx on the H100 (session 11): float64 that would be compiled
+    # (interpret=False) is routed to dequantise + dot, the same numbers as backend="xla", and never reaches Triton
+    # (on this CPU a compile attempt would raise); the LoRA block's kernel switch does the same
+    from jaxgrad.lora.kernels import BlockKernels
+    from jaxgrad.ops.nf4_matmul import compiled_f64
+
+    w = _weight(SHAPES[1], seed=4)
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(5), (3, SHAPES[1][1]), jnp.float64)
+        assert compiled_f64(x.dtype, False) and not compiled_f64(x.dtype, True)
+        assert not compiled_f64(jnp.float32, False)
+        y, vjp = jax.vjp(lambda a: nf4_matmul(a, w, backend="pallas", interpret=False), x)
+        y0, vjp0 = jax.vjp(lambda a: nf4_matmul(a, w, backend="xla"), x)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+        g = jax.random.normal(jax.random.key(6), y.shape, jnp.float64)
+        np.testing.assert_array_equal(np.asarray(vjp(g)[0]), np.asarray(vjp0(g)[0]))
+        kern = BlockKernels("pallas", interpret=False)
+        assert kern.base_fwd(x, w) is None and kern.base_dx(y, w, jnp.float64) is None
+        assert BlockKernels("pallas", interpret=True).base_fwd(x, w) is not None
+
+
 def test_double_quant_and_blocksize_128_and_xla_path():
     w = _weight(SHAPES[1], seed=7, blocksize=128, double_quant=True)
     x = _x(TOKENS, SHAPES[1][1], jnp.float32, seed=8)

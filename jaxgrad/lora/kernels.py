@@ -80,8 +80,9 @@ class BlockKernels:
         return self.pallas and isinstance(w, NF4Weight)
 
     def base_fwd(self, h, w):
-        """``h W^T`` in fp32 (f64 for f64) by the NF4 kernel, or ``None`` where the XLA path computes it."""
-        if not self.nf4_kernel(w):
+        """``h W^T`` in fp32 (f64 for f64) by the NF4 kernel, or ``None`` where the XLA path computes it (also for
+        float64 compiled for a GPU: :func:`jaxgrad.ops.nf4_matmul.compiled_f64`)."""
+        if not self.nf4_kernel(w) or nf4_matmul.compiled_f64(h.dtype, self.interpret):
             return None
         return nf4_matmul.nf4_matmul_fwd_pallas(h, *_nf4_operands(w), interpret=self.interpret, w_dtype=h.dtype,
                                                 out_dtype=jnp.promote_types(h.dtype, jnp.float32))
@@ -91,7 +92,7 @@ class BlockKernels:
         :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does; ``W`` rounded to ``dtype``; fp32 accumulation) by the
         NF4 kernel, or ``None`` where the XLA path computes it. For a bf16 block that is one bf16 tensor-core pass,
         not the three exact passes an fp32 ``dy`` needs."""
-        if not self.nf4_kernel(w):
+        if not self.nf4_kernel(w) or nf4_matmul.compiled_f64(dtype, self.interpret):
             return None
         cdt = jnp.promote_types(dtype, jnp.float32)
         return nf4_matmul.nf4_matmul_dx_pallas(dy.astype(dtype), *_nf4_operands(w), interpret=self.interpret,

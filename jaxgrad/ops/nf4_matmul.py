@@ -358,8 +358,16 @@ def _dequant_xla(packed, absmax, shape, blocksize, dtype):
     return nf4_dequantize(w, dtype)
 
 
+def compiled_f64(dtype, interpret) -> bool:
+    """Whether a float64 product would be compiled for the GPU (not interpreted). The compiled kernels do not take
+    float64: on the H100 the bf16-NF4 pallas block's float64 run came back wrong (relative error 1.14 in dx,
+    session 11, ``benchmarks/results/session11-pass8-gpu_tests.log``; the cause inside Triton's float64 path was
+    not isolated), so float64 takes the XLA path there (dequantise, then ``dot``), as ``backend="xla"`` does."""
+    return jnp.dtype(dtype) == jnp.float64 and not pb.resolve_interpret(interpret)
+
+
 def _fwd_any(x, packed, absmax, shape, blocksize, backend, interpret, blocks):
-    if backend == "pallas":
+    if backend == "pallas" and not compiled_f64(x.dtype, interpret):
         return nf4_matmul_fwd_pallas(x, packed, absmax, shape, blocksize, interpret=interpret, block_m=blocks[0],
                                      block_n=blocks[1], block_k=blocks[2])
     cdt = _cdt(x.dtype)
@@ -379,7 +387,7 @@ def _vfwd(x, packed, absmax, shape, blocksize, backend, interpret, blocks):
 
 def _vbwd(shape, blocksize, backend, interpret, blocks, res, dy):
     packed, absmax = res
-    if backend == "pallas":
+    if backend == "pallas" and not compiled_f64(dy.dtype, interpret):
         dx = nf4_matmul_dx_pallas(dy, packed, absmax, shape, blocksize, interpret=interpret, block_m=blocks[0],
                                   block_n=blocks[1], block_k=blocks[2])
     else:
@@ -398,7 +406,8 @@ def nf4_matmul(x: jax.Array, w: NF4Weight, *, backend: str = "pallas", interpret
     Args:
       x: ``[..., in]`` floating array (bf16, f16, f32 or f64); the output has x's dtype.
       w: an :class:`NF4Weight` ``[out, in]`` (any blocksize; double-quantised or not).
-      backend: ``"pallas"`` (fused kernels; interpret mode off-GPU) or ``"xla"`` (dequantise, then ``dot``).
+      backend: ``"pallas"`` (fused kernels; interpret mode off-GPU; float64 compiled for a GPU takes the XLA path,
+        :func:`compiled_f64`) or ``"xla"`` (dequantise, then ``dot``).
       interpret: force Pallas interpret mode (``None``: on unless running on a GPU).
       block_m, block_n, block_k: upper bounds of the kernel tile (rows, output columns, reduction), powers of two;
         ``None``: the kernel path's defaults (:data:`TILED_DEFAULTS` / :data:`GENERAL_DEFAULTS`).
