@@ -68,9 +68,9 @@ attention half from ``x``. When the forward and the backward are one XLA program
 shares each recomputation with the forward's identical one (common subexpressions), so the recompute costs no time
 but the forward's activations stay alive until their backward use. ``low_memory=True`` ties the attention half's
 input to :math:`\bar x_2` with an ``optimization_barrier``: it is recomputed for real after the MLP's backward, so
-the two halves' activations are never alive together. Measured on the H100 at the benchmark shape (session 11,
-``benchmarks/results/lora-nvidia-h100-80gb-hbm3-20261125-122133.*``): peak 1015 MiB and 6.75 ms with it, 1149 MiB
-and 5.88 ms without (``...-113928.*``, an earlier run; PEFT 1073 MiB). At the benchmark shape (batch 4, seq 2048,
+the two halves' activations are never alive together. Measured on the H100 at the benchmark shape, one run
+(session 11, ``benchmarks/results/lora-nvidia-h100-80gb-hbm3-20261125-123552.*``): peak 1015 MiB and 6.57 ms with
+it, 1150 MiB and 5.95 ms without (PEFT 1074 MiB). At the benchmark shape (batch 4, seq 2048,
 hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) the saved tensors are
 
 * ``x``: 4 x 2048 x 2048 x 2 B = 33,554,432 B (32 MiB; the block input, saved as a residual);
