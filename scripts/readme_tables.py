@@ -298,9 +298,8 @@ def table_bench_full(results: pathlib.Path, suite: str | None = None) -> list[st
 def table_detection(results: pathlib.Path) -> list[str]:
     # a complete sweep: every op of the table (a run of some ops, ``--ops``, is a spot check and stays in its file)
     # (when no file covers every op, the newest file of any ops, so a first partial run still shows)
-    found = (_latest_json(results, "verify-detection-*.json",
-                          accept=lambda d: {"dense", "conv_relu", "attention"} <= {r.get("op") for r in d.get("rows", [])
-                                                                                 if not r.get("hardware")})
+    # (of several complete sweeps, the one with the most cells: a newer sweep of one size only updates those cells)
+    found = (_widest_sweep(results)
              or _latest_json(results, "verify-detection-*.json",
                              accept=lambda d: not any(r.get("hardware") for r in d.get("rows", []))))
     if found is None:
@@ -333,9 +332,12 @@ def table_detection(results: pathlib.Path) -> list[str]:
              f"{summary.get('model_false_alarm_rate_per_leaf', '?'):g} per leaf; computed on "
              + ("a CPU" if env.get("device_kind", "cpu") == "cpu" else f"the CPU of the {env['device_kind']} machine")
              + ", TF32/f16/bf16 emulated)"
-             + ("; the cells of " + ", ".join(f"`{op}`" for op in sorted({v[1]['op'] for v in cells.values()
-                                                                      if v[2] != path}))
-                + " from the newer " + ", ".join(f"[`{f}`]({_rel(results / f)})" for f in newer) if newer else "")
+             + ("; cells re-measured since: " + "; ".join(
+                 f"[`{f}`]({_rel(results / f)}) ("
+                 + ", ".join(f"`{op}`" for op in sorted({v[1]['op'] for v in cells.values() if v[2].name == f}))
+                 + " at " + ", ".join(str(n) for n in sorted({v[1]['size'] for v in cells.values()
+                                                              if v[2].name == f})) + ")" for f in newer)
+                if newer else "")
              + ".", ""]
     lines += _table(["op (planted leaf)", "entries", "ReLU kinks"] + [label for _, label in DETECTION_PRECISIONS],
                     body)
@@ -370,6 +372,23 @@ def table_detection(results: pathlib.Path) -> list[str]:
         lines += _table(["op (planted leaf)", "entries", "ReLU kinks"] + [lb for _, lb in DETECTION_PRECISIONS],
                         _detection_rows([v[1] for v in large.values()]))
     return lines
+
+
+def _widest_sweep(results: pathlib.Path) -> tuple[pathlib.Path, dict] | None:
+    """The emulated sweep of every op with the most (op, size) cells, the newest of those."""
+    best = None
+    for path in results.glob("verify-detection-*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        rows = [r for r in data.get("rows", []) if not r.get("hardware")]
+        if not {"dense", "conv_relu", "attention"} <= {r.get("op") for r in rows}:
+            continue
+        key = (len({(r["op"], r["size"]) for r in rows}), _stamp(path, data.get("environment", {})), path.name)
+        if best is None or key > best[0]:
+            best = (key, path, data)
+    return None if best is None else (best[1], best[2])
 
 
 def _detection_rows(rows: list[dict]) -> list[list[str]]:
