@@ -310,16 +310,10 @@ def table_detection(results: pathlib.Path) -> list[str]:
     # for them (e.g. session 11's gated kink jumps re-measured conv+ReLU only); the caption names it
     base_stamp, trials_needed = _stamp(path, env), max((r["trials"] for r in rows), default=0)
     cells = {(r["op"], r["size"], r["precision"]): (base_stamp, r, path) for r in rows}
-    for p in results.glob("verify-detection-*.json"):
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        stamp = _stamp(p, d.get("environment", {}))
-        for r in d.get("rows", []):
-            key = (r["op"], r["size"], r["precision"])
-            if (key in cells and stamp > cells[key][0] and not r.get("hardware") and r["trials"] >= trials_needed):
-                cells[key] = (stamp, r, p)
+    for p, stamp, r in _emulated_rows(results):
+        key = (r["op"], r["size"], r["precision"])
+        if key in cells and stamp > cells[key][0] and r["trials"] >= trials_needed:
+            cells[key] = (stamp, r, p)
     rows = [v[1] for v in cells.values()]
     newer = sorted({v[2].name for v in cells.values() if v[2] != path})
     body = _detection_rows(rows)
@@ -354,16 +348,10 @@ def table_detection(results: pathlib.Path) -> list[str]:
     # larger leaves than the table's (GPU sweeps: products emulated at HIGHEST there too), newest file per cell
     top = max((r["size"] for r in rows), default=0)
     large: dict[tuple[str, int, str], tuple[str, dict, pathlib.Path]] = {}
-    for p in results.glob("verify-detection-*.json"):
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        stamp = _stamp(p, d.get("environment", {}))
-        for r in d.get("rows", []):
-            key = (r["op"], r["size"], r["precision"])
-            if r["size"] > top and not r.get("hardware") and (key not in large or large[key][0] < stamp):
-                large[key] = (stamp, r, p)
+    for p, stamp, r in _emulated_rows(results):
+        key = (r["op"], r["size"], r["precision"])
+        if r["size"] > top and (key not in large or large[key][0] < stamp):
+            large[key] = (stamp, r, p)
     if large:
         files = sorted({v[2].name for v in large.values()})
         lines += ["", "Larger leaves (" + ", ".join(f"[`{f}`]({_rel(results / f)})" for f in files) + "; each "
@@ -372,6 +360,19 @@ def table_detection(results: pathlib.Path) -> list[str]:
         lines += _table(["op (planted leaf)", "entries", "ReLU kinks"] + [lb for _, lb in DETECTION_PRECISIONS],
                         _detection_rows([v[1] for v in large.values()]))
     return lines
+
+
+def _emulated_rows(results: pathlib.Path):
+    """``(path, stamp, row)`` of every emulated (not ``--hardware``) row of every readable detection file."""
+    for p in results.glob("verify-detection-*.json"):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        stamp = _stamp(p, d.get("environment", {}))
+        for r in d.get("rows", []):
+            if not r.get("hardware"):
+                yield p, stamp, r
 
 
 def _widest_sweep(results: pathlib.Path) -> tuple[pathlib.Path, dict] | None:
