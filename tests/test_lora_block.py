@@ -100,15 +100,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["per-projection", "grouped"])
+@pytest.mark.parametrize("mode", ["per-projection", "grouped", "fold-b"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_block_vjp_equals_jax_grad_of_reference_float64(case, group):
+def test_block_vjp_equals_jax_grad_of_reference_float64(case, mode):
     c = CASES[case]
+    opts = {"group_projections": mode == "grouped", "fold_lora_b": mode == "fold-b"}
     with jax.enable_x64(True):
         params, lora, x = make_block(1, jnp.float64, c["cfg"], c["lcfg"])
         ct = jax.random.normal(jax.random.key(2), x.shape, jnp.float64)
-        y, pb = jax.vjp(jax.jit(lambda p, l, x: block(p, l, x, c["cfg"], c["lcfg"], group_projections=group,
-                                                      **c["kw"])), params, lora, x)
+        y, pb = jax.vjp(jax.jit(lambda p, l, x: block(p, l, x, c["cfg"], c["lcfg"], **opts, **c["kw"])),
+                        params, lora, x)
         y_ref, pb_ref = jax.vjp(jax.jit(lambda p, l, x: block_reference(p, l, x, c["cfg"], c["lcfg"], **c["kw"])),
                                 params, lora, x)
         np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-12 * float(jnp.max(jnp.abs(y_ref))))
@@ -141,6 +142,19 @@ def test_grouped_block_vjp_verified_bf16():
 
     def fn(x, lora, norms):
         return block({**frozen, **norms}, lora, x, CFG, LCFG, group_projections=True)
+    assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
+
+
+@pytest.mark.slow
+def test_fold_b_block_vjp_verified_bf16():
+    """LoRA B folded into each base GEMM (``fold_lora_b=True``: ``[h | sU] [W | B]^T``) in bf16: sU rounded to bf16
+    as an operand, the verdict of the default path."""
+    params, lora, x = make_block(4, jnp.bfloat16)
+    frozen, norms = _split_norms(params)
+    _, ref = _fns(frozen)
+
+    def fn(x, lora, norms):
+        return block({**frozen, **norms}, lora, x, CFG, LCFG, fold_lora_b=True)
     assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
 
 

@@ -87,6 +87,8 @@ JAX_VARIANTS = {
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
     # the attention half recomputed for real after the MLP backward (block(low_memory=True)): peak vs time
     "custom_vjp+low-memory cudnn": ("xla", "cudnn", False),
+    # each projection's LoRA B folded into its base GEMM along K (block(fold_lora_b=True))
+    "custom_vjp+fold-b cudnn": ("xla", "cudnn", False),
 }
 ROW_TAG = "LORA_BENCH_ROW "
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -95,7 +97,7 @@ GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o
 
 
 RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "custom_vjp+low-memory cudnn",
-             "custom_vjp+grouped cudnn",
+             "custom_vjp+fold-b cudnn", "custom_vjp+grouped cudnn",
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas")  # most wanted first (a time budget may cut)
@@ -189,6 +191,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     backend, attention, nf4 = _jax_spec(name)
     grouped = "+grouped" in name
     low_memory = "+low-memory" in name
+    fold_b = "+fold-b" in name
     cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rope_theta=ROPE_THETA,
                       max_position_embeddings=s["seq"], vocab_size=256, rms_norm_eps=1e-5)
@@ -217,9 +220,9 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
             return block_reference(params, lora, x, cfg, lcfg, attention=attention)
         if attention.startswith("sdpa:"):  # the attention="cudnn" code path with another implementation (CPU)
             return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1],
-                               group_projections=grouped, low_memory=low_memory)
+                               group_projections=grouped, low_memory=low_memory, fold_lora_b=fold_b)
         return block(params, lora, x, cfg, lcfg, attention=attention, backend=backend, group_projections=grouped,
-                     low_memory=low_memory)
+                     low_memory=low_memory, fold_lora_b=fold_b)
 
     def fwd_bwd(params, lora, x, cot):
         y, pull = jax.vjp(lambda l, xx: run_block(params, l, xx), lora, x)

@@ -273,7 +273,7 @@ def _projections(lcfg, params, lora, dropout_key, kern, dt):
         w = params[g][n]["weight"]
         xw = kern.base_fwd(h, w)  # h W^T in fp32 by the NF4 kernel (pallas backend), else None: W dequantised here
         return lora_linear_fwd(h, None if xw is not None else base_weight(w, dt), a, bb, s,
-                               _keep(lcfg, dropout_key, g, n, h.shape, dt), xw=xw)
+                               _keep(lcfg, dropout_key, g, n, h.shape, dt), xw=xw, fold_b=kern.fold_b)
 
     def projs(h, names):
         ws = [params[g][n]["weight"] for g, n in names]
@@ -426,7 +426,7 @@ _block.defvjp(_block_fwd, _block_bwd)
 
 def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, positions=None, attention_mask=None,
           dropout_key=None, *, backend: str = "xla", attention: str = "xla", interpret: bool | None = None,
-          group_projections: bool = False, low_memory: bool = False):
+          group_projections: bool = False, low_memory: bool = False, fold_lora_b: bool = False):
     """One Llama decoder block with LoRA, forward; its VJP is hand-written (see the module docstring).
 
     Args:
@@ -452,6 +452,8 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         +459 MiB of peak memory on the H100).
       low_memory: the backward recomputes the attention half for real after the MLP's backward instead of sharing
         the forward's (module docstring, "What the VJP saves"): less peak memory, more time.
+      fold_lora_b: each projection's forward as one GEMM ``[h | sU] [W | B]^T``
+        (:func:`jaxgrad.ops.lora_linear.lora_linear_fwd`'s ``fold_b``); off by default until measured on a GPU.
     """
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
@@ -467,15 +469,15 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
                                attention=attention)
     # interpret only matters to the kernels: the xla backend ignores it (and gets one trace whatever it is)
     kern = BlockKernels(backend, None if interpret is None or backend != "pallas" else bool(interpret),
-                        bool(group_projections), bool(low_memory))
+                        bool(group_projections), bool(low_memory), bool(fold_lora_b))
     return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern)
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                implementation="xla", group_projections=False, low_memory=False):
+                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=False):
     """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation
     (tests run it with ``"xla"`` on the CPU)."""
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
     return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
-                  BlockKernels(group=bool(group_projections), low_memory=bool(low_memory)))
+                  BlockKernels(group=bool(group_projections), low_memory=bool(low_memory), fold_b=bool(fold_lora_b)))

@@ -54,6 +54,9 @@ class BlockKernels:
     # the backward recomputes the attention half for real, after the MLP backward (an optimization_barrier): less
     # peak memory, more time (block.py's module doc, "What the VJP saves"); off by default
     low_memory: bool = False
+    # each projection's LoRA B folded into its base GEMM along K, [X | sU] [W | B]^T (lora_linear_fwd's fold_b);
+    # off by default until measured on a GPU (NOTES.md, session 11)
+    fold_b: bool = False
 
     @property
     def pallas(self) -> bool:

@@ -55,10 +55,19 @@ def lora_linear_reference(x, w, a, b, scale: float, keep_scale=None):
     return y.astype(x.dtype)
 
 
-def lora_linear_fwd(x, w, a, b, scale, keep_scale=None, *, xw=None):
+def lora_linear_fwd(x, w, a, b, scale, keep_scale=None, *, xw=None, fold_b=False):
     """``Y`` (in x's dtype). ``a``/``b`` may be ``None``: then plain ``x W^T``. ``xw``: the base product ``x W^T``
-    computed elsewhere, unrounded (the LoRA block's NF4 kernel; ``w`` is then unused)."""
+    computed elsewhere, unrounded (the LoRA block's NF4 kernel; ``w`` is then unused).
+
+    ``fold_b``: the LoRA term joins the base GEMM along its contraction, :math:`Y = [X \,|\, sU] [W \,|\, B]^\top`
+    (``sU`` rounded to x's dtype as an operand, fp32 accumulation, one rounding of ``Y``), instead of a separate
+    ``U B^T`` product written at ``[N, out]`` in fp32 and added (issue #13; off by default until measured on a GPU)."""
     cdt = _cdt(x.dtype)
+    if fold_b and a is not None and xw is None:
+        xd = x if keep_scale is None else x * keep_scale.astype(x.dtype)
+        su = (scale * _mm(xd, a, cdt)).astype(x.dtype)  # s U = s drop(X) A^T, one rounding to the operand dtype
+        wb = jnp.concatenate([w.astype(x.dtype), b.astype(x.dtype)], axis=1)  # [out, in + r]
+        return _mm(jnp.concatenate([x, su], axis=-1), wb, cdt).astype(x.dtype)
     y = _mm(x, w, cdt) if xw is None else xw.astype(cdt)
     if a is not None:
         xd = x if keep_scale is None else x * keep_scale.astype(x.dtype)
