@@ -348,25 +348,3 @@ def test_rho_behind_kinks_is_measured_past_the_flips():
         e[big] += np.sign(g[big]) * kink[big]
         assert 0.7 < leaf_statistics(e, r, g, "bf16", kink).rho < 1.4
         assert 1.6 < leaf_statistics(2 * e, r, g, "bf16", kink).rho < 2.6
-
-
-def test_small_functions_get_32_replicas_and_a_10_sigma_entry_is_caught():
-    # with 16 replicas an entry's variance is known only to F(1, 16) and rho is a median of a few dozen ratios:
-    # one entry 10 modelled sigma off in a 64-entry leaf was caught in 16-20 of 20 trials; a function whose leaves
-    # all have < 1000 entries (cheap) gets 32 replicas, larger ones keep 16
-    from jaxgrad.verify.stats import replicas_for
-
-    assert replicas_for(999) == 32 and replicas_for(1000) == 16
-    rep = _check(dense_kernel("bf16"), dense, *_dense_args(0))
-    assert rep.passed and rep.leaf("args[1]").stats.replicas == 32, str(rep)
-    big = _check(dense_kernel("bf16"), dense, *_dense_args(0, batch=128, n_in=8, n_out=8))  # x, y: 1024 entries
-    assert big.leaf("args[1]").stats.replicas == 16
-    rng = np.random.default_rng(3)
-    caught = 0
-    for _ in range(10):  # the confined error of the detection table, on the leaf's own modelled variance
-        e, r, g = _synthetic(rng, (8, 8), k=32)
-        v = np.mean(r * r, axis=0)
-        e = e.copy()
-        e[-1, -1] += 10 * np.sqrt(v[-1, -1]) * rng.choice([-1, 1])
-        caught += "entry" in leaf_statistics(e, r, g, "bf16").failed
-    assert caught == 10

@@ -90,23 +90,10 @@ import math
 import numpy as np
 from scipy import stats as sps
 
-__all__ = ["FALSE_ALARM_RATE", "FLIP_GATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "SHARED_FACTOR", "SMALL_LEAF",
-           "SMALL_LEAF_REPLICAS", "replicas_for", "LeafNull", "LeafStatistics", "bias_floor",
+__all__ = ["FALSE_ALARM_RATE", "FLIP_GATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "SHARED_FACTOR", "LeafNull", "LeafStatistics", "bias_floor",
            "entry_variance", "leaf_null", "leaf_statistics"]
 
 REPLICAS = 16  # K: rounding realisations of the reference at the hypothesis precision
-# K for a function whose leaves (gradients and outputs) all have fewer than SMALL_LEAF entries. With 16 replicas an
-# entry's variance is known to a factor F(1, 16), whose Bonferroni quantile is 8.4 sigma at 64 entries, and rho (a
-# median of 64 ratios) is noisy: one entry 10 modelled sigma off was caught in only 16-20 of 20 trials at 63-80
-# entries (session 10-11 tables). 32 replicas: 20 of 20 in every cell (session 11), for twice the replica cost of
-# what is a small, cheap function.
-SMALL_LEAF_REPLICAS = 32
-SMALL_LEAF = 1000
-
-
-def replicas_for(largest_leaf: int) -> int:
-    """K for a function whose largest gradient or output leaf has ``largest_leaf`` entries (see SMALL_LEAF)."""
-    return SMALL_LEAF_REPLICAS if largest_leaf < SMALL_LEAF else REPLICAS
 FALSE_ALARM_RATE = 1e-4  # per leaf, under the model: split evenly over the four tests
 # c: a correct kernel may round more than the reference run at its precision (fused vs separate casts, blocking,
 # bf16 intermediates): correct VJPs of the planted catalogue measured <= 2.1x their reference (CPU, f32 and bf16).
