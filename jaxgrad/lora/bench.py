@@ -12,6 +12,9 @@ Variants (``VARIANTS``; on a machine without a GPU the cuDNN attention is replac
   backward);
 * ``custom_vjp+grouped cudnn`` / ``custom_vjp+grouped cudnn nf4``: the same with ``group_projections=True``
   (q/k/v and gate/up as one GEMM each, the LoRA A rows folded into the weights; issue #13);
+* ``custom_vjp+low-memory cudnn``: ``low_memory=True`` (the attention half recomputed for real after the MLP
+  backward: less peak memory, more time);
+* ``custom_vjp+fold-b cudnn``: ``fold_lora_b=True`` (each projection's forward as one GEMM ``[h | sU] [W | B]^T``);
 * ``custom_vjp xla-attn``: the custom VJP with our own XLA attention (materialises ``[B, Hq, T, T]`` scores);
 * ``jax.grad(reference) cudnn`` / ``jax.grad(reference) xla-attn``: ``jax.vjp`` of the plain reference block
   (:func:`jaxgrad.lora.block_reference`), with ``jax.nn.dot_product_attention(implementation="cudnn")`` or with
