@@ -134,27 +134,16 @@ def test_block_vjp_verified_float32_with_padding_and_llama3_rope():
 
 
 @pytest.mark.slow
-def test_grouped_block_vjp_verified_bf16():
-    """The grouped projections (``group_projections=True``) in bf16: the same verdict as the default path."""
+@pytest.mark.parametrize("option", ["group_projections", "fold_lora_b"])
+def test_block_options_vjp_verified_bf16(option):
+    """The grouped projections (``group_projections=True``) and LoRA B folded into each base GEMM (``fold_lora_b=True``:
+    ``[h | sU] [W | B]^T``, sU rounded to bf16 as an operand) in bf16: the same verdict as the default path."""
     params, lora, x = make_block(4, jnp.bfloat16)
     frozen, norms = _split_norms(params)
     _, ref = _fns(frozen)
 
     def fn(x, lora, norms):
-        return block({**frozen, **norms}, lora, x, CFG, LCFG, group_projections=True)
-    assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
-
-
-@pytest.mark.slow
-def test_fold_b_block_vjp_verified_bf16():
-    """LoRA B folded into each base GEMM (``fold_lora_b=True``: ``[h | sU] [W | B]^T``) in bf16: sU rounded to bf16
-    as an operand, the verdict of the default path."""
-    params, lora, x = make_block(4, jnp.bfloat16)
-    frozen, norms = _split_norms(params)
-    _, ref = _fns(frozen)
-
-    def fn(x, lora, norms):
-        return block({**frozen, **norms}, lora, x, CFG, LCFG, fold_lora_b=True)
+        return block({**frozen, **norms}, lora, x, CFG, LCFG, **{option: True})
     assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
 
 

@@ -85,7 +85,8 @@ among others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
 it); ``"pallas"`` is this VJP with both RMSNorms and the NF4 base products as Pallas kernels
 (:mod:`jaxgrad.lora.kernels`; the same saved statistics). ``attention="cudnn"`` runs the attention core through
 ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``
-taken once in the backward's recompute, so cuDNN's forward runs once there; nothing is saved for it in the forward); a padding mask is then passed as per-row key lengths, so it must be right padding.
+taken once in the backward's recompute, so cuDNN's forward runs once there; nothing is saved for it in the
+forward); a padding mask is then passed as per-row key lengths, so it must be right padding.
 """
 
 from __future__ import annotations

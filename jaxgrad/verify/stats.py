@@ -90,8 +90,8 @@ import math
 import numpy as np
 from scipy import stats as sps
 
-__all__ = ["FALSE_ALARM_RATE", "FLIP_GATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "SHARED_FACTOR", "LeafNull", "LeafStatistics", "bias_floor",
-           "entry_variance", "leaf_null", "leaf_statistics"]
+__all__ = ["FALSE_ALARM_RATE", "FLIP_GATE", "IMPLEMENTATION_FACTOR", "REPLICAS", "SHARED_FACTOR", "LeafNull",
+           "LeafStatistics", "bias_floor", "entry_variance", "leaf_null", "leaf_statistics"]
 
 REPLICAS = 16  # K: rounding realisations of the reference at the hypothesis precision
 FALSE_ALARM_RATE = 1e-4  # per leaf, under the model: split evenly over the four tests
@@ -298,31 +298,27 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
 
     # 2. scale: the replicas' RMS beta_k, each weighted by the other K - 1 (leave one out: weights it did not shape,
     # as e's are) and with its kink jumps gated like e's (module doc); the independent-entry spread is e's own
-    # (leaf_statistics), since its gated entries are e's
-    beta_spread, q = 0.0, 0.0
+    # (leaf_statistics), since its gated entries are e's.
+    # rho's yardstick, from the same replicas: for Gaussian entries median(e_perp^2 / v0) is F(1, K)'s median; behind
+    # kinks an entry's error is a mixture (a flip or not), so the replicas' own medians say what it is (each replica
+    # as leaf_statistics treats e: minus its gated scale, against the other K - 1)
+    beta_spread, q, rho_median = 0.0, 0.0, float(sps.f.median(1, k))
     if gg > 0:
         gf, v0f = g.ravel(), v0.ravel()
         q = float(np.median(v0f[gf != 0] / (gf[gf != 0] ** 2))) / WEIGHT_CAP
         kf = None if kink is None else np.asarray(kink, np.float64).ravel()
         rf = r.reshape(k, -1)
         s2, floor = np.sum(rf * rf, axis=0), v0f - np.mean(rf * rf, axis=0)
-        beta_k = np.array([_gated_scale(rf[j], gf, np.maximum((s2 - rf[j] ** 2) / (k - 1) + floor, 1e-300), kf, q,
-                                        1.0)[0] for j in range(k)])
-        beta_spread = float(np.sqrt(np.mean(beta_k * beta_k)))
-
-    # rho's yardstick: for Gaussian entries median(e_perp^2 / v0) is F(1, K)'s median; behind kinks an entry's error
-    # is a mixture (a flip or not), so the replicas' own medians (each against the other K - 1) say what it is
-    rho_median = float(sps.f.median(1, k))
-    if kink is not None and gg > 0:
-        gf, rf = g.ravel(), r.reshape(k, -1)
-        s2, floor = np.sum(rf * rf, axis=0), v0.ravel() - np.mean(rf * rf, axis=0)
-        meds = []
-        for j in range(k):  # each replica as leaf_statistics treats e: minus its gated scale, against the others
+        beta_k, meds = np.empty(k), []
+        for j in range(k):
             v0j = np.maximum((s2 - rf[j] ** 2) / (k - 1) + floor, 1e-300)
-            bj = _gated_scale(rf[j], gf, v0j, np.asarray(kink, np.float64).ravel(), q, 1.0)[0]
-            with np.errstate(over="ignore"):  # an entry the other K - 1 computed exactly: inf, harmless to a median
-                meds.append(float(np.median((rf[j] - bj * gf) ** 2 / v0j)))
-        rho_median = max(float(np.median(meds)), 1e-300)
+            beta_k[j] = _gated_scale(rf[j], gf, v0j, kf, q, 1.0)[0]
+            if kf is not None:
+                with np.errstate(over="ignore"):  # an entry the other K - 1 computed exactly: inf, harmless here
+                    meds.append(float(np.median((rf[j] - beta_k[j] * gf) ** 2 / v0j)))
+        beta_spread = float(np.sqrt(np.mean(beta_k * beta_k)))
+        if meds:
+            rho_median = max(float(np.median(meds)), 1e-300)
 
     # 4. slices along every axis (leaves of two or more axes). Errors within a slice can be correlated (a rounded
     # operand shared by a whole row of an outer product), so a slice sum is not a sum of independent F(1, K) terms:
