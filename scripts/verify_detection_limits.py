@@ -31,12 +31,13 @@ import pathlib
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.benchmarking import _jsonable, device_slug, environment
 from jaxgrad.verify.calibration import OPS, leaf_errors, make_case
-from jaxgrad.verify.stats import FALSE_ALARM_RATE, REPLICAS, entry_variance, leaf_null, leaf_statistics
+from jaxgrad.verify.stats import FALSE_ALARM_RATE, entry_variance, leaf_null, leaf_statistics, replicas_for
 
 SCALES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3)
 SIZES = (64, 1024, 16384, 262144, 1_000_000)
@@ -90,7 +91,8 @@ def _group(job) -> dict:
             case = dataclasses.replace(case, fn=case.native)
         else:
             case = make_case(op, size, precision, rng)
-        err = leaf_errors(case, precision, a.replicas, rng)
+        k = a.replicas or case_replicas(case)
+        err = leaf_errors(case, precision, k, rng)
         missed = [i for i, c in enumerate(caught_all) if not c]
         caught, base, conf, sigma_cr = judge(err, a.scales, precision, rng, lowest=(max(missed) + 1) if missed else 0)
         sigmas.append((base.beta_sigma, sigma_cr))
@@ -103,13 +105,22 @@ def _group(job) -> dict:
     limit = next((s for i, s in enumerate(a.scales) if caught_all[i:].all()), None)
     sig_beta, sig_cr = np.median(np.asarray(sigmas), axis=0)
     return {"op": op, "precision": precision, "size": size, "entries": entries, "trials": a.trials, "kinks": kinks > 0,
-            "hardware": bool(a.hardware),
+            "hardware": bool(a.hardware), "replicas": k,
             "smallest_scale_caught_in_all": limit,
             "caught_in_all": {str(s): bool(c) for s, c in zip(a.scales, caught_all)},
             "false_alarms": false_alarms, "confined_1pct_10sigma_caught": confined, "undetermined": undetermined,
             "sigma_beta_median": float(sig_beta), "sigma_cramer_rao_median": float(sig_cr),
             "ideal_limit": ideal_limit(float(sig_cr), a.trials),
             "seconds": round(time.time() - t0, 1)}
+
+
+REPLICAS_RULE = "16 (32 where every leaf has < 1000 entries)"
+
+
+def case_replicas(case) -> int:
+    """K as check_vjp takes it by default: from the largest leaf of the case's arguments and outputs."""
+    outs = jax.tree.leaves(jax.eval_shape(case.fn, *case.args))
+    return replicas_for(max(int(np.prod(x.shape)) for x in [*case.args, *outs]))
 
 
 def ideal_limit(sigma: float, trials: int, alpha: float = FALSE_ALARM_RATE / 4) -> float:
@@ -129,7 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     ap.add_argument("--scales", nargs="+", type=float, default=list(SCALES))
     ap.add_argument("--trials", type=int, default=20)
-    ap.add_argument("--replicas", type=int, default=REPLICAS)
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="K (default: check_vjp's, stats.replicas_for: 32 when every leaf has < 1000 entries, else 16)")
     ap.add_argument("--quick", action="store_true", help="sizes 64 and 1024, 4 trials")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results")
@@ -189,7 +201,7 @@ def main(argv=None) -> int:
     total_fa = sum(r["false_alarms"] for r in rows)
     total_runs = sum(r["trials"] for r in rows)
     summary = {"false_alarms": total_fa, "correct_runs": total_runs, "model_false_alarm_rate_per_leaf":
-               FALSE_ALARM_RATE, "replicas": a.replicas, "seconds": round(time.time() - t_start, 1)}
+               FALSE_ALARM_RATE, "replicas": a.replicas or REPLICAS_RULE, "seconds": round(time.time() - t_start, 1)}
     print(f"false alarms: {total_fa} in {total_runs} correct low-precision leaves (model rate {FALSE_ALARM_RATE:g} "
           "per leaf)")
     if not a.no_write:
@@ -206,7 +218,7 @@ def main(argv=None) -> int:
                  + ("HARDWARE rounding: the correct kernel is the reference at the GPU's default precision, TF32 "
                     "dots/convs for f32 arrays and bf16 arrays in bf16; only the replicas are emulated); "
                     if a.hardware else "emulated products at HIGHEST, so the GPU's own TF32 is not involved); ")
-                 + f"K = {a.replicas} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per leaf; 'caught' = "
+                 + f"K = {a.replicas or REPLICAS_RULE} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per leaf; 'caught' = "
                  f"caught in all {a.trials} trials; precisions other than the platform's are emulated "
                  "(reduce_precision on operands, f32 accumulation)",
                  f"{'op':10s} {'prec':5s} {'entries':>8s} {'kinks':5s} {'limit':>8s} {'confined1%@10sd':>15s} "

@@ -43,7 +43,7 @@ from jaxgrad.verify.diagnose import diagnose
 from jaxgrad.verify.hypothesis import candidate_precisions, float64_oracle, sample_rounding
 from jaxgrad.verify.magnitude import magnitudes
 from jaxgrad.verify.report import Check, LeafResult, VJPReport, environment
-from jaxgrad.verify.stats import REPLICAS, leaf_statistics
+from jaxgrad.verify.stats import leaf_statistics, replicas_for
 
 __all__ = ["VJPUnavailableError", "assert_vjp_matches", "check_vjp"]
 
@@ -265,7 +265,7 @@ def check_vjp(
     structural: bool = True,
     name: str | None = None,
     arg_names: Sequence[str] | None = None,
-    replicas: int = REPLICAS,
+    replicas: int | None = None,
 ) -> VJPReport:
     """Verify ``fn``'s VJP against ``reference`` (plain JAX computing the same forward).
 
@@ -292,7 +292,8 @@ def check_vjp(
       structural: zero / repeat / homogeneity / dtype checks of the VJP.
       name: label for the report.
       arg_names: names of the positional arguments for the report (default ``args[0]``, ``args[1]``, ...).
-      replicas: K, the number of rounding samples of the statistical verdict (at least 8).
+      replicas: K, the number of rounding samples of the statistical verdict (at least 8). Default: 16, or 32 when
+        every gradient and output leaf has fewer than 1000 entries (:func:`jaxgrad.verify.stats.replicas_for`).
 
     Returns:
       A :class:`~jaxgrad.verify.report.VJPReport`; ``report.passed`` is the verdict, ``print(report)`` the table.
@@ -361,7 +362,8 @@ def check_vjp(
         if p == "f64":  # called in float64: rounding is settled by the float64 bound itself, no statistics needed
             return (p, model_p, None, kinks, mk, [])
         try:
-            samples = sample_rounding(ref_fwd_and_vjp, args, ct_ref, p, replicas, _rng(seed, 10 + len(tried)), oracle)
+            k = replicas if replicas is not None else replicas_for(max(int(np.size(a)) for a in [*y_lo, *g_lo]))
+            samples = sample_rounding(ref_fwd_and_vjp, args, ct_ref, p, k, _rng(seed, 10 + len(tried)), oracle)
         except Exception as e:  # the reference cannot run at the as-called dtypes: per-entry gate only
             notes.append(f"statistical verdict skipped: the reference at the as-called dtypes failed "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); as-called "
