@@ -100,7 +100,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("mode", ["per-projection", "grouped", "fold-b"])
+@pytest.mark.parametrize("mode", ["fold-b", "unfolded", "grouped"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_block_vjp_equals_jax_grad_of_reference_float64(case, mode):
     c = CASES[case]
@@ -134,16 +134,17 @@ def test_block_vjp_verified_float32_with_padding_and_llama3_rope():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("option", ["group_projections", "fold_lora_b"])
+@pytest.mark.parametrize("option", [{"group_projections": True}, {"fold_lora_b": False}], ids=["grouped", "unfolded"])
 def test_block_options_vjp_verified_bf16(option):
-    """The grouped projections (``group_projections=True``) and LoRA B folded into each base GEMM (``fold_lora_b=True``:
-    ``[h | sU] [W | B]^T``, sU rounded to bf16 as an operand) in bf16: the same verdict as the default path."""
+    """The grouped projections (``group_projections=True``) and the LoRA term as a separate ``U B^T`` product
+    (``fold_lora_b=False``; the default folds it into each base GEMM, ``[h | sU] [W | B]^T``, sU rounded to bf16 as an
+    operand) in bf16: the same verdict as the default path."""
     params, lora, x = make_block(4, jnp.bfloat16)
     frozen, norms = _split_norms(params)
     _, ref = _fns(frozen)
 
     def fn(x, lora, norms):
-        return block({**frozen, **norms}, lora, x, CFG, LCFG, **{option: True})
+        return block({**frozen, **norms}, lora, x, CFG, LCFG, **option)
     assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
 
 

@@ -14,7 +14,8 @@ Variants (``VARIANTS``; on a machine without a GPU the cuDNN attention is replac
   (q/k/v and gate/up as one GEMM each, the LoRA A rows folded into the weights; issue #13);
 * ``custom_vjp+low-memory cudnn``: ``low_memory=True`` (the attention half recomputed for real after the MLP
   backward: less peak memory, more time);
-* ``custom_vjp+fold-b cudnn``: ``fold_lora_b=True`` (each projection's forward as one GEMM ``[h | sU] [W | B]^T``);
+* ``custom_vjp+unfolded cudnn``: ``fold_lora_b=False`` (each projection's LoRA term as a separate ``U B^T``
+  product added in fp32; the default folds it into the base GEMM, ``[h | sU] [W | B]^T``);
 * ``custom_vjp xla-attn``: the custom VJP with our own XLA attention (materialises ``[B, Hq, T, T]`` scores);
 * ``jax.grad(reference) cudnn`` / ``jax.grad(reference) xla-attn``: ``jax.vjp`` of the plain reference block
   (:func:`jaxgrad.lora.block_reference`), with ``jax.nn.dot_product_attention(implementation="cudnn")`` or with
@@ -90,8 +91,8 @@ JAX_VARIANTS = {
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
     # the attention half recomputed for real after the MLP backward (block(low_memory=True)): peak vs time
     "custom_vjp+low-memory cudnn": ("xla", "cudnn", False),
-    # each projection's LoRA B folded into its base GEMM along K (block(fold_lora_b=True))
-    "custom_vjp+fold-b cudnn": ("xla", "cudnn", False),
+    # each projection's LoRA term as a separate U B^T product (block(fold_lora_b=False); the default folds it)
+    "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
 ROW_TAG = "LORA_BENCH_ROW "
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -100,7 +101,7 @@ GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o
 
 
 RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "custom_vjp+low-memory cudnn",
-             "custom_vjp+fold-b cudnn", "custom_vjp+grouped cudnn",
+             "custom_vjp+unfolded cudnn", "custom_vjp+grouped cudnn",
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas")  # most wanted first (a time budget may cut)
@@ -194,7 +195,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     backend, attention, nf4 = _jax_spec(name)
     grouped = "+grouped" in name
     low_memory = "+low-memory" in name
-    fold_b = "+fold-b" in name
+    fold_b = "+unfolded" not in name
     cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rope_theta=ROPE_THETA,
                       max_position_embeddings=s["seq"], vocab_size=256, rms_norm_eps=1e-5)

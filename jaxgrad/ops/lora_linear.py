@@ -56,12 +56,12 @@ def lora_linear_reference(x, w, a, b, scale: float, keep_scale=None):
 
 
 def lora_linear_fwd(x, w, a, b, scale, keep_scale=None, *, xw=None, fold_b=False):
-    """``Y`` (in x's dtype). ``a``/``b`` may be ``None``: then plain ``x W^T``. ``xw``: the base product ``x W^T``
+    r"""``Y`` (in x's dtype). ``a``/``b`` may be ``None``: then plain ``x W^T``. ``xw``: the base product ``x W^T``
     computed elsewhere, unrounded (the LoRA block's NF4 kernel; ``w`` is then unused).
 
     ``fold_b``: the LoRA term joins the base GEMM along its contraction, :math:`Y = [X \,|\, sU] [W \,|\, B]^\top`
     (``sU`` rounded to x's dtype as an operand, fp32 accumulation, one rounding of ``Y``), instead of a separate
-    ``U B^T`` product written at ``[N, out]`` in fp32 and added (issue #13; off by default until measured on a GPU)."""
+    ``U B^T`` product written at ``[N, out]`` in fp32 and added (issue #13; the LoRA block's default)."""
     cdt = _cdt(x.dtype)
     if fold_b and a is not None and xw is None:
         xd = x if keep_scale is None else x * keep_scale.astype(x.dtype)
