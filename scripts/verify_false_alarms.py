@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop taking results after this many seconds and write those that finished (the header "
+                         "says how many of --n ran)")
     a = ap.parse_args(argv)
     if a.mode == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -123,19 +126,28 @@ def main(argv=None) -> int:
               + (f" {r['error']}" if "error" in r else ""), flush=True)
 
     if a.jobs > 1:
-        with cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            for fut in cf.as_completed([ex.submit(_worker, (c, a.mode)) for c in cfgs]):
+        ex = cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn"))
+        futs = [ex.submit(_worker, (c, a.mode)) for c in cfgs]
+        try:
+            for fut in cf.as_completed(futs, timeout=a.budget_s):
                 show(fut.result())
+        except cf.TimeoutError:
+            print(f"budget of {a.budget_s} s spent: {len(results)} of {a.n} runs finished", flush=True)
+        ex.shutdown(wait=False, cancel_futures=True)
     else:
         for c in cfgs:
+            if a.budget_s is not None and time.time() - t0 > a.budget_s:
+                print(f"budget of {a.budget_s} s spent: {len(results)} of {a.n} runs finished", flush=True)
+                break
             show(_worker((c, a.mode)))
     results.sort(key=lambda r: r["i"])
     fails = [r for r in results if not r["passed"] and not r.get("undetermined")]
     undetermined = [r for r in results if r.get("undetermined")]
     n = len(results)
     # one-sided 95% upper bound on the false-alarm rate after k alarms in n runs (exact for k = 0: 1 - 0.05^(1/n))
-    upper = 1 - 0.05 ** (1 / n) if not fails else None
-    summary = {"mode": a.mode, "runs": n, "false_alarms": len(fails), "undetermined": len(undetermined),
+    upper = 1 - 0.05 ** (1 / n) if not fails and n else None
+    summary = {"mode": a.mode, "runs": n, "runs_asked": a.n, "false_alarms": len(fails),
+               "undetermined": len(undetermined),
                "seconds": round(time.time() - t0, 1), "rate_upper_95": upper}
     print(f"{len(fails)} false alarms in {n} correct low-precision VJPs ({len(undetermined)} undetermined)"
           + (f"; false-alarm rate per run < {upper:.2%} (95% confidence)" if upper is not None else ""))
@@ -160,7 +172,8 @@ def main(argv=None) -> int:
         lines = [f"# device: {env['device_kind']} ({env['platform']}), {env['datetime_utc']}; jax {env['jax']}, "
                  f"python {env['python']}",
                  f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: {env['command']}",
-                 f"# mode {a.mode}: {n} correct low-precision VJPs judged by check_vjp(float64=False); model "
+                 f"# mode {a.mode}: {n} correct low-precision VJPs (of {a.n} asked) judged by "
+                 f"check_vjp(float64=False); model "
                  f"false-alarm rate {FALSE_ALARM_RATE:g} per leaf",
                  f"{'op':10s} {'precision':13s} {'runs':>5s} {'false alarms':>12s} {'undetermined':>12s}"]
         lines += [f"{op:10s} {p:13s} {c[0]:5d} {c[1]:12d} {c[2]:12d}" for (op, p), c in sorted(by.items())]

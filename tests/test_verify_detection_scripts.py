@@ -16,13 +16,14 @@ def scripts():
     try:
         import verify_detection_limits
         import verify_detection_timing
-        yield verify_detection_limits, verify_detection_timing
+        import verify_false_alarms
+        yield verify_detection_limits, verify_detection_timing, verify_false_alarms
     finally:
         sys.path.remove(str(SCRIPTS))
 
 
 def test_a_detection_row_carries_its_limit_and_the_floor_under_it(scripts, tmp_path):
-    limits, _ = scripts
+    limits, _, _ = scripts
     assert limits.main(["--ops", "dense", "--precisions", "bf16", "--sizes", "64", "--trials", "2",
                         "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("verify-detection-*.json")
@@ -35,7 +36,7 @@ def test_a_detection_row_carries_its_limit_and_the_floor_under_it(scripts, tmp_p
 
 
 def test_the_cpu_attention_cap_is_a_flag(scripts, capsys):
-    limits, _ = scripts
+    limits, _, _ = scripts
     args = ["--ops", "attention", "--precisions", "f32", "--sizes", "64", "--trials", "1", "--no-write"]
     assert limits.main(args + ["--cpu-max-attention", "32"]) == 0  # above the cap on the CPU: not run
     assert "entries:" not in capsys.readouterr().out
@@ -44,8 +45,15 @@ def test_the_cpu_attention_cap_is_a_flag(scripts, capsys):
 
 
 def test_timing_prints_one_line_per_trial(scripts, capsys):
-    _, timing = scripts
+    _, timing, _ = scripts
     assert timing.main(["--op", "dense", "--size", "64", "--trials", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("# device: ") and out[1].startswith("# commit ")
     assert [line.split(", trial ")[1].split(":")[0] for line in out[2:]] == ["0", "1"]
+
+
+def test_a_false_alarm_sweep_cut_by_its_budget_writes_what_finished(scripts, tmp_path):
+    fa = scripts[2]
+    assert fa.main(["--mode", "cpu", "--n", "1", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    txt = next(tmp_path.glob("verify-false-alarms-cpu-*.txt")).read_text()
+    assert "0 correct low-precision VJPs (of 1 asked)" in txt and "# total: 0 false alarms in 0 runs" in txt

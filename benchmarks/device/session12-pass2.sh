@@ -6,7 +6,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p $OUT/results $OUT/logs
 t0=$(date +%s)
-timeout 420 python3 scripts/verify_false_alarms.py --mode gpu --n 100 --seed 17 --jobs 4 --out $OUT/results \
+timeout 560 python3 scripts/verify_false_alarms.py --mode gpu --n 130 --seed 17 --jobs 4 --budget-s 470 --out $OUT/results \
   > $OUT/logs/fa_gpu.log 2>&1
 echo "false alarms rc=$? after $(( $(date +%s) - t0 )) s" >> $OUT/logs/fa_gpu.log
 ( echo "# commit ${JAXGRAD_COMMIT} (uncommitted changes: ${JAXGRAD_DIRTY}); command: pytest -m gpu tests/test_verify_*.py tests/test_lora_ops.py"
