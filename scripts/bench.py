@@ -379,8 +379,55 @@ def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# One LoRA projection's forward (issue #13): the Mosaic GPU kernel against XLA, the block's four projection shapes
+# ---------------------------------------------------------------------------------------------------------------
+# (M, K, N): q/o, k/v, gate/up, down of the block at batch 4 x seq 2048, hidden 2048, intermediate 5632; r = 16
+LORA_PROJ_SHAPES = {"small": [(512, 256, 128)],
+                    "full": [(8192, 2048, 2048), (8192, 2048, 1024), (8192, 2048, 5632), (8192, 5632, 2048)]}
+LORA_PROJ_RANK = 16
+
+
+def lora_proj_cost(m: int, k: int, n: int, r: int) -> tuple[float, float]:
+    """(flops, bytes) of ``Y = X W^T + s (X A^T) B^T``: ``2 M K N`` base, ``2 M K r + 2 M r N`` LoRA; bytes: X, W,
+    A, B read and Y written once (bf16)."""
+    return 2.0 * m * k * (n + r) + 2.0 * m * r * n, 2.0 * (m * k + n * k + r * k + n * r + m * n)
+
+
+def _lora_proj_variants(on_gpu: bool) -> dict[str, Callable]:
+    from jaxgrad.ops.lora_linear import lora_linear_fwd
+    from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu
+
+    s = 2.0
+    v = {"xla fold-b (block default)": lambda x, w, a, b: lora_linear_fwd(x, w, a, b, s, fold_b=True),
+         "xla unfolded": lambda x, w, a, b: lora_linear_fwd(x, w, a, b, s),
+         "x W^T alone (cuBLAS, no LoRA)": lambda x, w, a, b: lora_linear_fwd(x, w, None, None, s)}
+    if on_gpu:
+        v = {"mosaic-gpu fused": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s), **v}
+    return v
+
+
+def suite_lora_proj(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
+    """One LoRA projection's forward ``X W^T + s (X A^T) B^T`` (bf16, r = 16) at the block's four shapes: the Mosaic
+    GPU kernel (:mod:`jaxgrad.ops.lora_linear_mgpu`; GPU only), XLA's fold-b and unfolded forms, and the base GEMM
+    alone (what cuBLAS does without the LoRA terms)."""
+    variants = _lora_proj_variants(jax.default_backend() == "gpu")
+    rows: list[bm.Row] = []
+    for m, k, n in LORA_PROJ_SHAPES[sizes]:
+        r = LORA_PROJ_RANK
+        keys = jax.random.split(jax.random.key(m + k + n), 4)
+        x, w, a, b = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16) * sd
+                      for kk, shape, sd in zip(keys, [(m, k), (n, k), (r, k), (n, r)],
+                                               [1.0, k ** -0.5, k ** -0.5, r ** -0.5]))
+        flops, bytes_moved = lora_proj_cost(m, k, n, r)
+        rows += bm.run_variants("lora_proj", variants, (x, w, a, b), sizes={"M": m, "K": k, "N": n, "r": r},
+                                flops=flops, bytes_moved=bytes_moved, precision=precision, floor_precision="tf32",
+                                warmup=warmup, repeats=repeats)
+    return rows
+
+
 SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan, "cnn": suite_cnn,
-                                                  "lora": suite_lora}
+                                                  "lora": suite_lora, "lora_proj": suite_lora_proj}
 
 
 # ---------------------------------------------------------------------------------------------------------------

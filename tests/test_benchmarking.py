@@ -139,3 +139,18 @@ def test_bench_script_swiglu_small(tmp_path):
     assert all(r["median_ms"] > 0 and r["sizes"]["shape"] == [64, 96] for r in rows)
     assert all(r["bytes_moved"] == 8 * 64 * 96 * {"f32": 4, "bf16": 2}[r["dtype"]] for r in rows)
     assert path.with_suffix(".txt").exists() and "jax.grad(reference)" in proc.stdout
+
+
+def test_bench_script_lora_proj_small(tmp_path):
+    # off a GPU the Mosaic GPU kernel is not a variant; the XLA forms and the base GEMM are, with the LoRA FLOPs
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench.py", "lora_proj", "--sizes", "small", "--repeats", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(next(out.glob("lora_proj-*.json")).read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["xla fold-b (block default)", "xla unfolded",
+                                            "x W^T alone (cuBLAS, no LoRA)"]
+    m, k, n, r = 512, 256, 128, 16
+    assert all(r_["flops"] == 2 * m * k * (n + r) + 2 * m * r * n and r_["median_ms"] > 0 for r_ in rows)

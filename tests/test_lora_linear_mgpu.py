@@ -1,0 +1,91 @@
+"""The Mosaic GPU LoRA projection forward (``jaxgrad.ops.lora_linear_mgpu``): what it accepts, that it lowers, and --
+on a Hopper GPU -- that it computes ``X W^T + s (X A^T) B^T`` to the rounding of its own arithmetic.
+
+Error model (both the kernel and XLA's ``lora_linear_fwd(fold_b=True)``): bf16 operands, fp32 accumulation over
+``K`` (and ``r``) terms, ``sU`` rounded once to bf16, ``Y`` rounded once to bf16. Against the float64 value of the
+same formula on the same bf16 operands an entry may be off by at most
+``u_bf16 |Y| + u_bf16 s |U| |B|^T + gamma (|X| |W|^T + s |U| |B|^T) + s |X| |A|^T |B|^T gamma`` with
+``gamma = (K + r) u_f32`` (the worst-case accumulation bound); the tests ask every entry to be within it, and the
+kernel's RMS error to be within 1.5x XLA's.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrad.ops.lora_linear import lora_linear_fwd
+from jaxgrad.ops.lora_linear_mgpu import TileConfig, _call, lora_linear_fwd_mgpu, supported
+
+U_BF16, U_F32 = 2.0**-8, 2.0**-24
+SCALE = 2.0
+
+
+def _operands(seed, m, k, n, r, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shapes, sds = [(m, k), (n, k), (r, k), (n, r)], [1.0, k**-0.5, k**-0.5, 1.0]  # B ~ N(0, 1): never zero
+    return tuple((sd * jax.random.normal(kk, s, jnp.float32)).astype(dtype) for kk, s, sd in zip(keys, shapes, sds))
+
+
+def _bound_and_truth(x, w, a, b, s):
+    x, w, a, b = (np.asarray(t, np.float64) for t in (x, w, a, b))
+    u = x @ a.T
+    truth = x @ w.T + (s * u) @ b.T  # sU unrounded: its rounding is in the bound
+    k, r = x.shape[1], a.shape[0]
+    gamma = (k + r) * U_F32
+    lora_abs = np.abs(s * u) @ np.abs(b).T
+    bound = (U_BF16 * np.abs(truth) + U_BF16 * lora_abs + gamma * (np.abs(x) @ np.abs(w).T + lora_abs)
+             + gamma * s * (np.abs(x) @ np.abs(a).T) @ np.abs(b).T)
+    return truth, bound
+
+
+def test_supported_names_what_does_not_fit():
+    x, w, a, b = _operands(0, 512, 256, 128, 16)
+    assert supported(x, w, a, b) is None
+    assert "x's rows M = 500 must be a multiple of 256" in supported(x[:500], w, a, b)
+    assert "w's rows N = 120 must be a multiple of 128" in supported(x, w[:120], a, b[:120])
+    assert "the contraction K = 200" in supported(x[:, :200], w[:, :200], a[:, :200], b)
+    assert "rank r = 8 must be a multiple of 16" in supported(x, w, a[:8], b[:, :8])
+    assert "one 16-bit dtype" in supported(x.astype(jnp.float32), w, a, b)
+    assert "b [N, r]" in supported(x, w, a, b.T)
+    with pytest.raises(ValueError, match=r"lora_linear_fwd_mgpu: x's rows M = 500"):
+        lora_linear_fwd_mgpu(x[:500], w, a, b, SCALE)
+
+
+@pytest.mark.parametrize("mkn", [(512, 256, 128), (8192, 2048, 1024), (256, 5632, 384)])
+def test_the_kernel_lowers_for_hopper_on_any_machine(mkn):
+    # Mosaic GPU lowers to its MLIR in Python: shapes, layouts, shared-memory budget are checked without a GPU
+    m, k, n = mkn
+    spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, k), (n, k), (16, k), (n, 16)]]
+    low = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in low.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mkn", [(512, 256, 128), (768, 320, 384), (8192, 2048, 1024), (8192, 5632, 2048)])
+def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn):
+    m, k, n = mkn
+    x, w, a, b = _operands(sum(mkn), m, k, n, 16)
+    y = np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE), np.float64)
+    y_xla = np.asarray(jax.jit(functools.partial(lora_linear_fwd, scale=SCALE, fold_b=True))(x, w, a, b), np.float64)
+    truth, bound = _bound_and_truth(x, w, a, b, SCALE)
+    err, err_xla = np.abs(y - truth), np.abs(y_xla - truth)
+    assert float(np.max(err / bound)) <= 1.0, f"worst entry {np.max(err / bound):.3g} of the bound"
+    assert float(np.max(err_xla / bound)) <= 1.0  # the model holds for the reference too
+    rms, rms_xla = float(np.sqrt(np.mean(err**2))), float(np.sqrt(np.mean(err_xla**2)))
+    assert rms <= 1.5 * rms_xla, (rms, rms_xla)
+    # the LoRA term is really there: without it the error would be the whole s U B^T
+    lora = np.asarray(x, np.float64) @ np.asarray(a, np.float64).T @ np.asarray(b, np.float64).T * SCALE
+    assert rms < 0.01 * float(np.sqrt(np.mean(lora**2)))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_keeps_leading_axes_and_f16():
+    x, w, a, b = _operands(7, 512, 256, 128, 16, jnp.float16)
+    y = lora_linear_fwd_mgpu(x.reshape(2, 256, 256), w, a, b, SCALE)
+    assert y.shape == (2, 256, 128) and y.dtype == jnp.float16
+    truth, bound = _bound_and_truth(x, w, a, b, SCALE)
+    # f16 rounds finer (2^-11) than the bf16 model it is held to
+    assert float(np.max(np.abs(np.asarray(y, np.float64).reshape(512, 128) - truth) / bound)) <= 1.0
