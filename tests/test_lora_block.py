@@ -307,3 +307,15 @@ def test_dropout_takes_the_per_projection_path():
     assert len(fwd) == 14 and len(bwd) == 14, (fwd, bwd)  # 7 base + 7 X A^T; 7 dY W + 7 G A
     fwd, bwd = _block_gemms(lcfg)  # no key: no dropout, grouped
     assert len(fwd) == 4 and len(bwd) == 4, (fwd, bwd)
+
+
+def test_mosaic_backend_off_a_gpu_is_the_xla_path_bit_for_bit():
+    # backend="mosaic" runs the Mosaic GPU projection kernel only where a call qualifies (a GPU among others):
+    # on this CPU every projection takes the XLA path, so output and VJP are the default's exactly
+    params, lora, x = make_block(6, jnp.bfloat16)
+    ct = jax.random.normal(jax.random.key(7), x.shape, jnp.float32).astype(jnp.bfloat16)
+    outs = [jax.vjp(lambda l, x: block(params, l, x, CFG, LCFG, backend=bk), lora, x) for bk in ("xla", "mosaic")]
+    (y0, pb0), (y1, pb1) = outs
+    assert bool(jnp.all(y0 == y1))
+    for g0, g1 in zip(jax.tree.leaves(pb0(ct)), jax.tree.leaves(pb1(ct))):
+        assert bool(jnp.all(g0 == g1))

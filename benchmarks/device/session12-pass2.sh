@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 12, pass 2 ($OUT comes back; at most 8 files). #10: the H100 false-alarm sweep (100 runs, hardware rounding)
+# Session 12, pass 2 ($OUT comes back; at most 8 files). #10: the H100 false-alarm sweep (130 runs, hardware rounding)
 # with the slice level and 32 replicas for small functions (4780501); then, if time is left, the GPU-marked verifier
 # tests. `export JAXGRAD_COMMIT=$(git rev-parse --short HEAD) JAXGRAD_DIRTY=false; bash benchmarks/device/session12-pass2.sh`
 set -u

@@ -86,6 +86,8 @@ JAX_VARIANTS = {
     # issue #13: the block's Pallas kernels (RMSNorm; NF4 dequantise + matmul) behind the same custom VJP
     "custom_vjp cudnn pallas": ("pallas", "cudnn", False),
     "custom_vjp cudnn nf4 pallas": ("pallas", "cudnn", True),
+    # issue #13: the dense projections' forward (and recompute) as one Mosaic GPU kernel each (backend="mosaic")
+    "custom_vjp cudnn mosaic": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
@@ -104,14 +106,14 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp+unfolded cudnn", "custom_vjp+grouped cudnn",
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
-             "custom_vjp cudnn nf4 pallas")  # most wanted first (a time budget may cut)
+             "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic")  # most wanted first (a budget may cut)
 
 
 def variant_names(on_gpu: bool) -> list[str]:
     """All variant names of this platform, in run order (the cuDNN ones renamed off-GPU; the Pallas ones, compiled
-    kernels, only on a GPU)."""
+    kernels, and the Mosaic GPU one only on a GPU)."""
     return [name if on_gpu else name.replace("cudnn", "sdpa(xla)") for name in RUN_ORDER
-            if on_gpu or "pallas" not in name]
+            if on_gpu or ("pallas" not in name and "mosaic" not in name)]
 
 
 def _jax_spec(name: str) -> tuple[str, str, bool]:

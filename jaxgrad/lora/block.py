@@ -83,7 +83,8 @@ among others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
 
 ``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates
 it); ``"pallas"`` is this VJP with both RMSNorms and the NF4 base products as Pallas kernels
-(:mod:`jaxgrad.lora.kernels`; the same saved statistics). ``attention="cudnn"`` runs the attention core through
+(:mod:`jaxgrad.lora.kernels`; the same saved statistics); ``"mosaic"`` is this VJP with each dense projection's
+forward (and its recompute) as one Mosaic GPU kernel on Hopper (:mod:`jaxgrad.ops.lora_linear_mgpu`). ``attention="cudnn"`` runs the attention core through
 ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``
 taken once in the backward's recompute, so cuDNN's forward runs once there; nothing is saved for it in the
 forward); a padding mask is then passed as per-row key lengths, so it must be right padding.
@@ -272,9 +273,13 @@ def _projections(lcfg, params, lora, dropout_key, kern, dt):
     def proj(h, g, n):
         a, bb = _adapter(lora, lcfg, g, n)
         w = params[g][n]["weight"]
+        keep = _keep(lcfg, dropout_key, g, n, h.shape, dt)
+        y = kern.lora_fwd(h, w, a, bb, s, keep)  # the Mosaic GPU kernel (mosaic backend) where the call qualifies
+        if y is not None:
+            return y
         xw = kern.base_fwd(h, w)  # h W^T in fp32 by the NF4 kernel (pallas backend), else None: W dequantised here
-        return lora_linear_fwd(h, None if xw is not None else base_weight(w, dt), a, bb, s,
-                               _keep(lcfg, dropout_key, g, n, h.shape, dt), xw=xw, fold_b=kern.fold_b)
+        return lora_linear_fwd(h, None if xw is not None else base_weight(w, dt), a, bb, s, keep, xw=xw,
+                               fold_b=kern.fold_b)
 
     def projs(h, names):
         ws = [params[g][n]["weight"] for g, n in names]
@@ -442,8 +447,9 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding).
       dropout_key: PRNG key for ``lcfg.lora_dropout`` (no dropout without one); each module folds in its index.
       backend: ``"xla"`` (the custom VJP), ``"pallas"`` (the same VJP with both RMSNorms and the NF4 base products
-        as Pallas kernels, :mod:`jaxgrad.lora.kernels`) or ``"reference"`` (:func:`block_reference`, for
-        ``jax.grad``).
+        as Pallas kernels, :mod:`jaxgrad.lora.kernels`), ``"mosaic"`` (the same VJP with the dense projections'
+        forward as a Mosaic GPU kernel where a call qualifies, else XLA) or ``"reference"``
+        (:func:`block_reference`, for ``jax.grad``).
       attention: ``"xla"`` (our attention VJP; the plain attention for ``"reference"``) or ``"cudnn"``
         (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``).
       interpret: ``backend="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a

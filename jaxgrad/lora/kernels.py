@@ -16,6 +16,12 @@ r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.bl
   term and round once, as on the XLA path. The frozen base gets no gradient (as always).
 * **Everything else** (attention, RoPE, SwiGLU, the LoRA rank-r matmuls, dense base weights) stays on XLA.
 
+``backend="mosaic"`` (issue #13, Hopper): each dense projection's forward with an adapter -- in the forward and in
+the backward's recompute -- is :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel
+computing ``X W^T + s (X A^T) B^T`` with ``fold_lora_b``'s arithmetic (``sU`` rounded once to the operand dtype,
+one rounding of ``Y``), where the call qualifies (a GPU, 16-bit operands, tile-divisible shapes, no dropout mask,
+``fold_lora_b``); elsewhere, and for everything else, the XLA path. The backward's products stay on XLA.
+
 ``interpret``: ``None`` lets :mod:`jaxgrad.pallas_backend` decide (interpret mode unless JAX's default backend is
 a GPU, where the kernels are compiled by Triton); ``True`` / ``False`` force it (tests on a GPU machine's CPU force
 ``True``).
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jaxgrad.lora.nf4 import NF4Weight, nf4_absmax
@@ -33,7 +40,7 @@ from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_palla
 
 __all__ = ["BACKENDS", "BlockKernels"]
 
-BACKENDS = ("xla", "reference", "pallas")  # what block(backend=...) accepts; "reference" never reaches this module
+BACKENDS = ("xla", "reference", "pallas", "mosaic")  # block(backend=...); "reference" never reaches this module
 
 
 def _nf4_operands(w: NF4Weight):
@@ -46,7 +53,7 @@ def _nf4_operands(w: NF4Weight):
 class BlockKernels:
     """Static (hashable) kernel choice of one block call; a ``nondiff_argnums`` argument of the block's VJP."""
 
-    backend: str = "xla"  # "xla" or "pallas"
+    backend: str = "xla"  # "xla", "pallas" or "mosaic"
     interpret: bool | None = None
     # projections sharing an input as one GEMM with the LoRA A rows folded in (jaxgrad.lora.grouped); off by
     # default: on the H100 5.81 ms against 5.88 ms at +459 MiB of peak memory (NOTES.md, session 11)
@@ -78,6 +85,19 @@ class BlockKernels:
         if self.pallas:
             return rms_norm_bwd_pallas(x, w, rstd, dh, dx_dtype, interpret=self.interpret)
         return rms_norm_bwd(x, w, rstd, dh, dx_dtype)
+
+    def lora_fwd(self, h, w, a, b, scale, keep_scale):
+        """The projection's ``Y`` by the Mosaic GPU kernel (``backend="mosaic"``, module doc), or ``None`` where the
+        call does not qualify and the XLA path computes it."""
+        if (self.backend != "mosaic" or not self.fold_b or a is None or keep_scale is not None
+                or isinstance(w, NF4Weight) or jax.default_backend() != "gpu"):
+            return None
+        from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu, supported
+
+        b = b.astype(h.dtype)
+        if supported(h.reshape(-1, h.shape[-1]), w, a, b) is not None:
+            return None
+        return lora_linear_fwd_mgpu(h, w, a, b, scale)
 
     def nf4_kernel(self, w) -> bool:
         return self.pallas and isinstance(w, NF4Weight)
