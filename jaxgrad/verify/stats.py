@@ -384,8 +384,9 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
         # (axes of at least SLICE_LEVEL_MIN slices with rounding: a median of fewer would follow a bug)
         live = m_s > 0
         if int(np.sum(live)) >= SLICE_LEVEL_MIN:
-            slice_means[ax] = m_s
-            slice_level_median[ax] = float(np.median(np.median(t_rep[:, live] / m_s[live], axis=1)))
+            lm = float(np.median(np.median(t_rep[:, live] / m_s[live], axis=1)))
+            if lm > 0:  # 0 where most slices round in only a few replicas (exact sums): no level to measure
+                slice_means[ax], slice_level_median[ax] = m_s, lm
     return LeafNull(v=v, v0=v0, gg=gg, den=den, dof=dof, norm_limit=norm_limit, beta_spread=beta_spread, beta_q=q,
                     rho_median=rho_median,
                     beta_t=float(sps.t.isf(a4 / 2, k)), entry_limit=math.sqrt(float(sps.f.isf(a4 / n, 1, k))),
