@@ -39,7 +39,7 @@ def test_flops_and_floor_at_the_benchmark_shape():
 def test_variant_names_and_a_failing_child_comes_back_as_a_row():
     on_gpu = bench.variant_names(True)
     assert on_gpu[:5] == ["custom_vjp cudnn", "jax.grad(reference) cudnn", bench.TORCH_VARIANT,
-                          "custom_vjp+low-memory cudnn", "custom_vjp+unfolded cudnn"] and len(on_gpu) == 13
+                          "custom_vjp+low-memory cudnn", "custom_vjp+unfolded cudnn"] and len(on_gpu) == 14
     assert "custom_vjp cudnn nf4 pallas" in on_gpu and bench._jax_spec("custom_vjp cudnn pallas")[0] == "pallas"
     assert "custom_vjp sdpa(xla)" in bench.variant_names(False)
     assert not any("pallas" in n or "mosaic" in n for n in bench.variant_names(False))  # compiled: GPU only
@@ -50,6 +50,8 @@ def test_variant_names_and_a_failing_child_comes_back_as_a_row():
     assert row.median_ms is None and row.notes.startswith("error: child exited 1") and "unknown variant" in row.notes
     with pytest.raises(ValueError, match="selects none"):
         bench.suite_lora("small", "default", variants=["zzz"], say=lambda _: None)
+    with pytest.raises(ValueError, match="selects none"):  # "=name" is exact: a prefix of a name selects nothing
+        bench.suite_lora("small", "default", variants=["=custom_vjp"], say=lambda _: None)
 
 
 def test_bench_lora_small_runs_here_each_variant_in_its_own_process(tmp_path):

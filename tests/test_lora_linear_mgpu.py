@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from jaxgrad.ops.lora_linear import lora_linear_fwd
-from jaxgrad.ops.lora_linear_mgpu import TileConfig, _call, lora_linear_fwd_mgpu, supported
+from jaxgrad.ops.lora_linear import lora_linear_bwd
+from jaxgrad.ops.lora_linear_mgpu import (TileConfig, _call, lora_linear_dx_mgpu, lora_linear_fwd_mgpu, supported,
+                                          supported_dx)
 
 U_BF16, U_F32 = 2.0**-8, 2.0**-24
 SCALE = 2.0
@@ -52,14 +54,25 @@ def test_supported_names_what_does_not_fit():
     assert "b [N, r]" in supported(x, w, a, b.T)
     with pytest.raises(ValueError, match=r"lora_linear_fwd_mgpu: x's rows M = 500"):
         lora_linear_fwd_mgpu(x[:500], w, a, b, SCALE)
+    dy = x[:, :128]  # [M, N] for w [N, K] = [128, 256]
+    assert supported_dx(dy, w, a, b) is None
+    assert "the contraction N (dy's columns) = 96" in supported_dx(dy[:, :96], w[:96], a, b[:96])
+    assert "w's columns K (dX's columns) = 192" in supported_dx(dy, w[:, :192], a[:, :192], b)
+    with pytest.raises(ValueError, match=r"lora_linear_dx_mgpu: shapes must be dy \[M, N\]"):
+        lora_linear_dx_mgpu(dy, w.T, a, b, SCALE)
 
 
-@pytest.mark.parametrize("mkn", [(512, 256, 128), (8192, 2048, 1024), (256, 5632, 384)])
+@pytest.mark.parametrize("mkn", [(512, 256, 128), (8192, 2048, 1024), (256, 5632, 384), (256, 384, 5632)])
 def test_the_kernel_lowers_for_hopper_on_any_machine(mkn):
     # Mosaic GPU lowers to its MLIR in Python: shapes, layouts, shared-memory budget are checked without a GPU
     m, k, n = mkn
     spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, k), (n, k), (16, k), (n, 16)]]
     low = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in low.as_text()
+    # the backward's dX kernel: dy [M, N=n], w [n, k] -> dX [M, k] in fp32
+    spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, n), (n, k), (16, k), (n, 16)]]
+    low = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132, mode="dx",
+                      out_dtype=jnp.dtype(jnp.float32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in low.as_text()
 
 
@@ -89,3 +102,32 @@ def test_gpu_kernel_keeps_leading_axes_and_f16():
     truth, bound = _bound_and_truth(x, w, a, b, SCALE)
     # f16 rounds finer (2^-11) than the bf16 model it is held to
     assert float(np.max(np.abs(np.asarray(y, np.float64).reshape(512, 128) - truth) / bound)) <= 1.0
+
+
+def _dx_bound_and_truth(dy, w, a, b, s):
+    dy, w, a, b = (np.asarray(t, np.float64) for t in (dy, w, a, b))
+    g = dy @ b
+    truth = dy @ w + (s * g) @ a
+    gamma = (dy.shape[1] + a.shape[0]) * U_F32
+    lora_abs = np.abs(s * g) @ np.abs(a)
+    bound = (U_F32 * np.abs(truth) + U_BF16 * lora_abs + gamma * (np.abs(dy) @ np.abs(w) + lora_abs)
+             + gamma * s * (np.abs(dy) @ np.abs(b)) @ np.abs(a))  # fp32 out: one f32 rounding of dX
+    return truth, bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mnk", [(512, 128, 256), (768, 320, 384), (8192, 1024, 2048), (8192, 2048, 5632)])
+def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk):
+    # dX = dY W + (s dY B) A for dy [M, N], w [N, K]: the block's backward product, fp32 out
+    m, n, k = mnk
+    _, w, a, b = _operands(sum(mnk), m, k, n, 16)  # w [N, K], a [r, K], b [N, r]
+    dy = jax.random.normal(jax.random.key(m * 7 + n), (m, n), jnp.float32).astype(jnp.bfloat16)
+    dx = np.asarray(lora_linear_dx_mgpu(dy, w, a, b, SCALE), np.float64)
+    truth, bound = _dx_bound_and_truth(dy, w, a, b, SCALE)
+    assert float(np.max(np.abs(dx - truth) / bound)) <= 1.0, f"worst entry {np.max(np.abs(dx - truth) / bound):.3g}"
+    # the XLA backward (G A in fp32, unrounded sG) as a yardstick: the kernel's RMS error within 1.5x of it
+    x = jnp.zeros((m, k), jnp.bfloat16)  # dA/dB are not compared here; dX does not depend on x
+    dx_xla = np.asarray(jax.jit(lambda dy: lora_linear_bwd(x, w, a, b, SCALE, None, dy, jnp.float32)[0])(dy),
+                        np.float64)
+    rms, rms_xla = (float(np.sqrt(np.mean((v - truth) ** 2))) for v in (dx, dx_xla))
+    assert rms <= 1.5 * rms_xla, (rms, rms_xla)

@@ -88,6 +88,7 @@ JAX_VARIANTS = {
     "custom_vjp cudnn nf4 pallas": ("pallas", "cudnn", True),
     # issue #13: the dense projections' forward (and recompute) as one Mosaic GPU kernel each (backend="mosaic")
     "custom_vjp cudnn mosaic": ("mosaic", "cudnn", False),
+    "custom_vjp+low-memory cudnn mosaic": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
@@ -106,7 +107,8 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp+unfolded cudnn", "custom_vjp+grouped cudnn",
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
-             "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic")  # most wanted first (a budget may cut)
+             "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic",
+             "custom_vjp+low-memory cudnn mosaic")  # most wanted first (a budget may cut)
 
 
 def variant_names(on_gpu: bool) -> list[str]:
@@ -447,14 +449,15 @@ def run_in_fresh_process(name: str, sizes: str, *, repeats: int, warmup: int, pr
 def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants=None,
                timeout: float = 300.0, budget_s: float | None = None, say=print) -> tuple[list[bm.Row], list[str]]:
     """Every variant in its own process, one after the other. Returns ``(rows, notes)``: ``notes`` are the FLOP
-    and floor lines (printed with the table). ``variants``: substrings selecting variants (default all).
+    and floor lines (printed with the table). ``variants``: substrings selecting variants (default all; ``=name``
+    selects that name exactly).
     ``timeout``: per variant; ``budget_s``: for the whole suite (a child gets at most what is left; a variant with
     less than 15 s left is not started and its row says so)."""
     import jax
 
     names = variant_names(jax.default_backend() == "gpu")
     if variants:
-        names = [n for n in names if any(v in n for v in variants)]
+        names = [n for n in names if any(n == v[1:] if v.startswith("=") else v in n for v in variants)]
         if not names:
             raise ValueError(f"lora bench: --variants {variants} selects none of {variant_names(True)}")
     notes = floor_lines(sizes)

@@ -361,10 +361,11 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
         """LoRA linear backward: dh = dY W + s m (G A), dA = s G^T drop(h), dB = s dY^T U."""
         a, bb = _adapter(lora, lcfg, g, n)
         w = params[g][n]["weight"]
-        dyw = kern.base_dx(dout, w, dt)  # dY W by the NF4 kernel (pallas backend), else None
+        keep = _keep(lcfg, dropout_key, g, n, h.shape, dt)
+        dx_full = kern.lora_dx(dout, w, a, bb, s, keep, dt)  # the Mosaic GPU kernel (mosaic backend), else None
+        dyw = None if dx_full is not None else kern.base_dx(dout, w, dt)  # dY W by the NF4 kernel (pallas backend)
         w = None if dyw is not None else base_weight(w, dt)  # NF4 on XLA: re-dequantised here, never saved
-        dh, da, db = lora_linear_bwd(h, w, a, bb, s, _keep(lcfg, dropout_key, g, n, h.shape, dt), dout, cdt,
-                                     dyw=dyw)
+        dh, da, db = lora_linear_bwd(h, w, a, bb, s, keep, dout, cdt, dyw=dyw, dx_full=dx_full)
         if a is not None:
             grads.setdefault(g, {})[n] = {"lora_A": da, "lora_B": db}
         return dh

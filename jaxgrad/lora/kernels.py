@@ -20,7 +20,9 @@ r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.bl
 the backward's recompute -- is :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel
 computing ``X W^T + s (X A^T) B^T`` with ``fold_lora_b``'s arithmetic (``sU`` rounded once to the operand dtype,
 one rounding of ``Y``), where the call qualifies (a GPU, 16-bit operands, tile-divisible shapes, no dropout mask,
-``fold_lora_b``); elsewhere, and for everything else, the XLA path. The backward's products stay on XLA.
+``fold_lora_b``); and each such projection's ``dX = dY W + (s dY B) A`` in the backward is
+:func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu` (fp32 out; ``s dY B`` rounded once to the operand dtype).
+Elsewhere, and for everything else (``dA``, ``dB``, attention, norms), the XLA path.
 
 ``interpret``: ``None`` lets :mod:`jaxgrad.pallas_backend` decide (interpret mode unless JAX's default backend is
 a GPU, where the kernels are compiled by Triton); ``True`` / ``False`` force it (tests on a GPU machine's CPU force
@@ -41,6 +43,12 @@ from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_palla
 __all__ = ["BACKENDS", "BlockKernels"]
 
 BACKENDS = ("xla", "reference", "pallas", "mosaic")  # block(backend=...); "reference" never reaches this module
+
+
+def _on_gpu() -> bool:
+    """Whether this trace is for a GPU (the Mosaic GPU kernels run nowhere else; tests lowering for a GPU on a CPU
+    replace it)."""
+    return jax.default_backend() == "gpu"
 
 
 def _nf4_operands(w: NF4Weight):
@@ -90,7 +98,7 @@ class BlockKernels:
         """The projection's ``Y`` by the Mosaic GPU kernel (``backend="mosaic"``, module doc), or ``None`` where the
         call does not qualify and the XLA path computes it."""
         if (self.backend != "mosaic" or not self.fold_b or a is None or keep_scale is not None
-                or isinstance(w, NF4Weight) or jax.default_backend() != "gpu"):
+                or isinstance(w, NF4Weight) or not _on_gpu()):
             return None
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu, supported
 
@@ -98,6 +106,21 @@ class BlockKernels:
         if supported(h.reshape(-1, h.shape[-1]), w, a, b) is not None:
             return None
         return lora_linear_fwd_mgpu(h, w, a, b, scale)
+
+    def lora_dx(self, dy, w, a, b, scale, keep_scale, dtype):
+        """The projection's whole ``dX = dY W + (s dY B) A`` in fp32 by the Mosaic GPU kernel (``backend="mosaic"``;
+        ``dy`` rounded once to ``dtype`` first, as :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does), or
+        ``None`` where the call does not qualify."""
+        if (self.backend != "mosaic" or a is None or keep_scale is not None or isinstance(w, NF4Weight)
+                or not _on_gpu()):
+            return None
+        from jaxgrad.ops.lora_linear_mgpu import lora_linear_dx_mgpu, supported_dx
+
+        d2 = dy.reshape(-1, dy.shape[-1]).astype(dtype)
+        a, b = a.astype(dtype), b.astype(dtype)
+        if supported_dx(d2, w, a, b) is not None:
+            return None
+        return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=jnp.promote_types(dtype, jnp.float32))
 
     def nf4_kernel(self, w) -> bool:
         return self.pallas and isinstance(w, NF4Weight)

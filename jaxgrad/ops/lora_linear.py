@@ -76,10 +76,12 @@ def lora_linear_fwd(x, w, a, b, scale, keep_scale=None, *, xw=None, fold_b=False
     return y.astype(x.dtype)
 
 
-def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=None):
+def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=None, dx_full=None):
     """``(dx, dA, dB)`` of the LoRA linear (``dA = dB = None`` without an adapter); dx in ``dx_dtype`` (default
     x's dtype; the block keeps its gradient sums in fp32). ``dyw``: the base term ``dY W`` computed elsewhere,
-    unrounded (the LoRA block's NF4 kernel; ``w`` is then unused)."""
+    unrounded (the LoRA block's NF4 kernel; ``w`` is then unused). ``dx_full``: the whole ``dX = dY W + s (G A)``
+    computed elsewhere (the Mosaic GPU kernel, :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu`): only
+    ``dA`` and ``dB`` are computed here."""
     cdt = _cdt(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -88,7 +90,10 @@ def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=Non
     # stay in fp32. An f32 / f64 layer is unchanged (dY is already in its dtype).
     dy2 = dy.reshape(-1, dy.shape[-1]).astype(x.dtype)
     # dX = dY W  (+ the LoRA term below)
-    dx = _mm(dy2, w.T, cdt) if dyw is None else dyw.reshape(dy2.shape[0], -1).astype(cdt)
+    if dx_full is not None:
+        dx = dx_full.reshape(dy2.shape[0], -1).astype(cdt)
+    else:
+        dx = _mm(dy2, w.T, cdt) if dyw is None else dyw.reshape(dy2.shape[0], -1).astype(cdt)
     if a is None:
         return dx.reshape(*lead, -1).astype(dx_dtype or x.dtype), None, None
     xd = x2 if keep_scale is None else x2 * keep_scale.reshape(x2.shape).astype(x.dtype)
@@ -98,8 +103,9 @@ def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=Non
     da = scale * _mm(g.astype(x.dtype).T, xd.T, cdt)
     db = scale * _mm(dy2.T, u.astype(x.dtype).T, cdt)
     # dX += s m * (G A)
-    dlora = scale * jnp.matmul(g, a.astype(cdt))
-    dx = dx + (dlora if keep_scale is None else dlora * keep_scale.reshape(x2.shape).astype(cdt))
+    if dx_full is None:
+        dlora = scale * jnp.matmul(g, a.astype(cdt))
+        dx = dx + (dlora if keep_scale is None else dlora * keep_scale.reshape(x2.shape).astype(cdt))
     return dx.reshape(*lead, -1).astype(dx_dtype or x.dtype), da.astype(a.dtype), db.astype(b.dtype)
 
 

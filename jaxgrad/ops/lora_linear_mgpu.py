@@ -1,4 +1,9 @@
-r"""The LoRA projection's forward as one Mosaic GPU kernel on Hopper (``wgmma``): :math:`Y = X W^\top + s (X A^\top) B^\top`.
+r"""The LoRA projection's forward and input gradient as Mosaic GPU kernels on Hopper (``wgmma``).
+
+Forward :math:`Y = X W^\top + s (X A^\top) B^\top`; backward :math:`dX = dY\, W + (s\, dY B) A` -- the same kernel,
+``L R_1 + (s L R_2) R_3`` with ``L`` streamed once (``X`` or ``dY``), ``R_1`` the frozen weight (``W^T`` forward,
+``W`` backward), the rank-r ``R_2`` / ``R_3`` (``A^T`` / ``B^T`` forward, ``B`` / ``A`` backward, passed as their
+transposes: a 16-wide untransposed ``wgmma`` operand does not lower).
 
 What it computes is :func:`jaxgrad.ops.lora_linear.lora_linear_fwd` with ``fold_b=True`` (the LoRA block's default),
 :math:`Y = [X \,|\, sU] [W \,|\, B]^\top` with :math:`U = X A^\top`: one fp32 accumulator per output tile, ``sU``
@@ -20,9 +25,13 @@ Registers per compute thread: the accumulator ``tile_m tile_n / 128`` fp32 (128 
 ``tile_m r / 128`` (16). Shared memory: ``max_concurrent_steps`` stages of ``(2 tile_m + tile_n + r) tile_k``
 operands (3 x 50 KiB at 128/128/64, r = 16), ``sU`` and ``B`` tiles, two epilogue slots per warpgroup.
 
+The backward kernel writes ``dX`` in fp32 by default (the LoRA block's gradient sums are fp32); ``s G`` (``G = dY
+B``) is rounded once to the operand dtype before ``G A``, as ``sU`` is forward. ``dA`` and ``dB`` stay on XLA.
+
 Scope: bf16 or f16 operands (``wgmma`` on 16-bit types; f32 would be TF32), shapes divisible by the tiles
-(``M % 2 tile_m``, ``N % tile_n``, ``K % tile_k``, ``r % 16``), no dropout mask; :func:`supported` says whether a
-call qualifies and :func:`lora_linear_fwd_mgpu` raises a ``ValueError`` naming the argument otherwise. It needs a
+(``M % 2 tile_m``, output columns ``% tile_n``, contraction ``% tile_k``, ``r % 16``), no dropout mask;
+:func:`supported` / :func:`supported_dx` say whether a call qualifies and the kernels raise a ``ValueError`` naming the
+argument otherwise. It needs a
 Hopper GPU (Mosaic GPU has no public interpreter): the tests on the H100 compare it with the reference at fresh
 random inputs, and on a CPU its lowering is checked.
 """
@@ -36,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["TileConfig", "lora_linear_fwd_mgpu", "supported"]
+__all__ = ["TileConfig", "lora_linear_dx_mgpu", "lora_linear_fwd_mgpu", "supported", "supported_dx"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +68,18 @@ def _problem(x, w, a, b):
     return m, n, k, r
 
 
+def _why_not(arrays, sizes, config: TileConfig) -> str | None:
+    dts = {jnp.dtype(t.dtype) for t in arrays}
+    if len(dts) != 1 or dts.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"the operands must share one 16-bit dtype (bf16 or f16), got {[str(t.dtype) for t in arrays]}"
+    c = config
+    tiles = {"M": 2 * c.tile_m, "N": c.tile_n, "K": c.tile_k, "r": 16}
+    for name, (what, size) in sizes.items():
+        if size % tiles[name]:
+            return f"{what} = {size} must be a multiple of {tiles[name]} (TileConfig {c})"
+    return None
+
+
 def supported(x, w, a, b, config: TileConfig = TileConfig()) -> str | None:
     """``None`` when :func:`lora_linear_fwd_mgpu` can run these operands, else why not (naming the argument)."""
     if x.ndim != 2 or w.ndim != 2 or a.ndim != 2 or b.ndim != 2:
@@ -67,50 +88,56 @@ def supported(x, w, a, b, config: TileConfig = TileConfig()) -> str | None:
     if w.shape[1] != k or a.shape[1] != k or b.shape != (n, r):
         return (f"shapes must be x [M, K], w [N, K], a [r, K], b [N, r]; got x {x.shape}, w {w.shape}, a {a.shape}, "
                 f"b {b.shape}")
-    dts = {jnp.dtype(t.dtype) for t in (x, w, a, b)}
-    if len(dts) != 1 or dts.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"x, w, a, b must share one 16-bit dtype (bf16 or f16), got {[str(t.dtype) for t in (x, w, a, b)]}"
-    c = config
-    for name, size, tile in (("x's rows M", m, 2 * c.tile_m), ("w's rows N", n, c.tile_n),
-                             ("the contraction K", k, c.tile_k), ("the rank r", r, 16)):
-        if size % tile:
-            return f"{name} = {size} must be a multiple of {tile} (TileConfig {c})"
-    return None
+    return _why_not((x, w, a, b), {"M": ("x's rows M", m), "N": ("w's rows N", n), "K": ("the contraction K", k),
+                                   "r": ("the rank r", r)}, config)
 
 
-def _kernel(x_gmem, w_gmem, a_gmem, b_gmem, y_gmem, *, scale: float, cfg: TileConfig):
+def supported_dx(dy, w, a, b, config: TileConfig = TileConfig()) -> str | None:
+    """``None`` when :func:`lora_linear_dx_mgpu` can run these operands, else why not (naming the argument)."""
+    if dy.ndim != 2 or w.ndim != 2 or a.ndim != 2 or b.ndim != 2:
+        return (f"dy, w, a, b must be 2-D ([M, N], [N, K], [r, K], [N, r]), got {dy.ndim}, {w.ndim}, {a.ndim}, "
+                f"{b.ndim}")
+    (m, n), k, r = dy.shape, w.shape[1], a.shape[0]
+    if w.shape[0] != n or a.shape[1] != k or b.shape != (n, r):
+        return (f"shapes must be dy [M, N], w [N, K], a [r, K], b [N, r]; got dy {dy.shape}, w {w.shape}, "
+                f"a {a.shape}, b {b.shape}")
+    return _why_not((dy, w, a, b), {"M": ("dy's rows M", m), "N": ("w's columns K (dX's columns)", k),
+                                    "K": ("the contraction N (dy's columns)", n), "r": ("the rank r", r)}, config)
+
+
+def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *, scale: float, cfg: TileConfig, t1: bool):
+    """``Y = L R1 + (s (L R2)) R3`` (module doc), ``L`` [M, Kc]; ``R1`` [Kc, N] (stored transposed, [N, Kc], when
+    ``t1``), ``R2`` and ``R3`` stored transposed, ``R2^T`` [r, Kc] and ``R3^T`` [N, r]. Forward: ``R1^T = W``,
+    ``R2^T = A``, ``R3^T = B``; dX: ``R1 = W``, ``R2^T = B^T``, ``R3^T = A^T``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    dtype = x_gmem.dtype
-    m, k = x_gmem.shape
-    n, r = b_gmem.shape
+    dtype, out_dtype = lhs_gmem.dtype, y_gmem.dtype
+    m, k = lhs_gmem.shape
+    n = y_gmem.shape[1]
+    r = r2t_gmem.shape[0]
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    epi_m = cfg.epi_tile_m
+    epi_n = cfg.epi_tile_n * 2 // jnp.dtype(out_dtype).itemsize  # the same bytes per epilogue row: 64 bf16, 32 f32
     cta_m = 2 * tile_m  # warpgroup i owns rows [i tile_m, (i + 1) tile_m) of the CTA's tile
     m_iters, n_iters, k_iters = m // cta_m, n // tile_n, k // tile_k
-    itemsize = jnp.dtype(dtype).itemsize
 
-    def smem_transforms(minor):  # TMA/wgmma layout of a [rows, minor] 16-bit tile
-        swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-        return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    def smem_transforms(minor, dt=dtype):  # TMA/wgmma layout of a [rows, minor] tile
+        size = jnp.dtype(dt).itemsize
+        swizzle = plgpu.find_swizzle(minor * size * 8)
+        return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
 
-    in_transforms = smem_transforms(tile_k)
-    r_transforms = smem_transforms(r)
-    out_transforms = smem_transforms(cfg.epi_tile_n)
+    def spec(shape, index):
+        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
+
+    r1_spec = spec((tile_n, tile_k), lambda kk: (0, kk)) if t1 else spec((tile_k, tile_n), lambda kk: (kk, 0))
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((cta_m, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                                memory_space=plgpu.SMEM),  # X[m, k]
-                plgpu.BlockSpec((tile_n, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                                memory_space=plgpu.SMEM),  # W[n, k] (HF layout [out, in])
-                plgpu.BlockSpec((r, tile_k), lambda kk: (0, kk), transforms=in_transforms,
-                                memory_space=plgpu.SMEM),  # A[:, k]
-            ],
+            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), r1_spec, spec((r, tile_k), lambda kk: (0, kk))],
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps,
@@ -118,19 +145,18 @@ def _kernel(x_gmem, w_gmem, a_gmem, b_gmem, y_gmem, *, scale: float, cfg: TileCo
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
-    epi_per_wg = (tile_m // cfg.epi_tile_m) * (tile_n // cfg.epi_tile_n)
-    slots = min(2, epi_per_wg)
+    slots = min(2, (tile_m // epi_m) * (tile_n // epi_n))
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem, a_gmem),
-        y_smem=plgpu.SMEM((2, slots, cfg.epi_tile_m, cfg.epi_tile_n), dtype, transforms=out_transforms),
-        su_smem=plgpu.SMEM((2, tile_m, r), dtype, transforms=r_transforms),
-        b_smem=plgpu.SMEM((2, tile_n, r), dtype, transforms=r_transforms),
-        b_barrier=plgpu.Barrier(num_barriers=2),
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, r1_gmem, r2t_gmem),
+        y_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=smem_transforms(epi_n, out_dtype)),
+        su_smem=plgpu.SMEM((2, tile_m, r), dtype, transforms=smem_transforms(r)),
+        r3_smem=plgpu.SMEM((2, tile_n, r), dtype, transforms=smem_transforms(r)),
+        r3_barrier=plgpu.Barrier(num_barriers=2),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, y_smem, su_smem, b_smem, b_barrier):
+    def _scope(pipeline_allocs, y_smem, su_smem, r3_smem, r3_barrier):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
@@ -142,44 +168,43 @@ def _kernel(x_gmem, w_gmem, a_gmem, b_gmem, y_gmem, *, scale: float, cfg: TileCo
             wg_m_slice = pl.ds(wg * tile_m, tile_m)
 
             def compute_context(eval_pipeline):
-                # B[n, :] for the epilogue, in flight while the K loop runs (the previous tile's wgmma on b_smem
+                # R3's tile for the epilogue, in flight while the K loop runs (the previous tile's wgmma on r3_smem
                 # was waited for before its epilogue ended)
-                plgpu.copy_gmem_to_smem(b_gmem.at[n_slice], b_smem.at[wg], b_barrier.at[wg])
+                plgpu.copy_gmem_to_smem(r3t_gmem.at[n_slice], r3_smem.at[wg], r3_barrier.at[wg])
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32),
                                    u_ref=plgpu.ACC((tile_m, r), jnp.float32))
                 def _acc_scope(acc_ref, u_ref):
                     eval_pipeline((acc_ref, u_ref))
-                    # Y += (s U) B^T: sU rounded once to the operand dtype (lora_linear_fwd's fold_b)
+                    # Y += (s U) R3: s U rounded once to the operand dtype (lora_linear_fwd's fold_b)
                     su_smem[wg] = (u_ref[...] * scale).astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.barrier_wait(b_barrier.at[wg])
-                    plgpu.wgmma(acc_ref, su_smem.at[wg], b_smem.at[wg].transpose((1, 0)))
+                    plgpu.barrier_wait(r3_barrier.at[wg])
+                    plgpu.wgmma(acc_ref, su_smem.at[wg], r3_smem.at[wg].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
-                    y = acc_ref[...].astype(dtype)
+                    y = acc_ref[...].astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for ei in range(tile_m // cfg.epi_tile_m):
-                        for ej in range(tile_n // cfg.epi_tile_n):
-                            em = slice(ei * cfg.epi_tile_m, (ei + 1) * cfg.epi_tile_m)
-                            en = slice(ej * cfg.epi_tile_n, (ej + 1) * cfg.epi_tile_n)
-                            slot = (ei * (tile_n // cfg.epi_tile_n) + ej) % slots
+                    for ei in range(tile_m // epi_m):
+                        for ej in range(tile_n // epi_n):
+                            em, en = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
+                            slot = (ei * (tile_n // epi_n) + ej) % slots
                             plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
                             y_smem[wg, slot] = y[em, en]
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(
-                                y_smem.at[wg, slot],
-                                y_gmem.at[cta_m_slice, n_slice].at[wg_m_slice].at[em, en])
+                                y_smem.at[wg, slot], y_gmem.at[cta_m_slice, n_slice].at[wg_m_slice].at[em, en])
 
-            def mma_body(_, x_smem, w_smem, a_smem, carry):
+            def mma_body(_, l_smem, r1_smem, r2_smem, carry):
                 acc_ref, u_ref = carry
-                xs = x_smem.at[wg_m_slice]
-                plgpu.wgmma(acc_ref, xs, w_smem.transpose((1, 0)))  # X W^T
-                plgpu.wgmma(u_ref, xs, a_smem.transpose((1, 0)))  # U = X A^T, from the same X tile
+                ls = l_smem.at[wg_m_slice]
+                plgpu.wgmma(acc_ref, ls, r1_smem.transpose((1, 0)) if t1 else r1_smem)  # L R1
+                plgpu.wgmma(u_ref, ls, r2_smem.transpose((1, 0)))  # U = L R2, from the same L tile
                 plgpu.wgmma_wait(0)
                 return carry
 
-            pipeline(mma_body, compute_context)(
-                x_gmem.at[cta_m_slice, :], w_gmem.at[n_slice, :], a_gmem, allocations=pipeline_allocs)
+            r1_tile = r1_gmem.at[n_slice, :] if t1 else r1_gmem.at[:, n_slice]
+            pipeline(mma_body, compute_context)(lhs_gmem.at[cta_m_slice, :], r1_tile, r2t_gmem,
+                                                allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -190,21 +215,26 @@ def _num_sms() -> int:
     return backend.get_default_device().core_count
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "num_sms"))
-def _call(x, w, a, b, *, scale, config, num_sms):
+@functools.partial(jax.jit, static_argnames=("scale", "config", "num_sms", "mode", "out_dtype"))
+def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None):
+    """``mode="fwd"``: ``X W^T + s (X A^T) B^T`` (lhs = X); ``mode="dx"``: ``dY W + s (dY B) A`` (lhs = dY)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    m, n, _, _ = _problem(x, w, a, b)
+    fwd = mode == "fwd"
+    n = w.shape[0] if fwd else w.shape[1]
+    # dX: W as stored ([N, K] is R1 = [Kc, N_out] untransposed); the rank-r operands go in transposed (B^T [r, N],
+    # A^T [K, r]: tiny copies), since a 16-wide untransposed wgmma operand does not lower (layout inference)
+    operands = (w, a, b) if fwd else (w, b.T, a.T)
     f = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, cfg=config),
-        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        functools.partial(_kernel, scale=scale, cfg=config, t1=fwd),
+        out_type=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype),
         grid=(num_sms,),
         grid_names=("cluster_grid",),
         num_threads=3,  # two compute warpgroups and the memory warpgroup
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return f(x, w, a, b)
+    return f(lhs, *operands)
 
 
 def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConfig(), num_sms: int | None = None):
@@ -224,3 +254,24 @@ def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConf
         raise ValueError(f"lora_linear_fwd_mgpu: {why}")
     y = _call(x2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()))
     return y.reshape(*lead, w.shape[0])
+
+
+def lora_linear_dx_mgpu(dy, w, a, b, scale: float, out_dtype=jnp.float32, config: TileConfig = TileConfig(),
+                        num_sms: int | None = None):
+    r"""``dX = dY W + (s dY B) A`` in one Mosaic GPU kernel: the backward's input gradient of the LoRA projection,
+    the forward kernel's loop with ``dY`` for ``X`` and the stored operands read untransposed (``G = dY B`` is the
+    r-wide accumulator from the same ``dY`` tiles; ``s G`` rounded once to the operand dtype, like ``sU`` forward).
+
+    Args:
+      dy: ``[..., N]`` output cotangent (16-bit); w: ``[N, K]``; a: ``[r, K]``; b: ``[N, r]``, one dtype.
+      scale: ``s`` (a Python float).
+      out_dtype: of ``dX`` (fp32 by default: the LoRA block keeps its gradient sums in fp32).
+    """
+    lead = dy.shape[:-1]
+    d2 = dy.reshape(-1, dy.shape[-1])
+    why = supported_dx(d2, w, a, b, config)
+    if why is not None:
+        raise ValueError(f"lora_linear_dx_mgpu: {why}")
+    y = _call(d2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()), mode="dx",
+              out_dtype=jnp.dtype(out_dtype))
+    return y.reshape(*lead, w.shape[1])
