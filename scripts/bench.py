@@ -407,11 +407,30 @@ def _lora_proj_variants(on_gpu: bool) -> dict[str, Callable]:
     return v
 
 
+def _lora_proj_dx_variants(on_gpu: bool) -> dict[str, Callable]:
+    from jaxgrad.ops.lora_linear import lora_linear_bwd
+    from jaxgrad.ops.lora_linear_mgpu import lora_linear_dx_mgpu
+
+    s, f32 = 2.0, jnp.float32
+
+    def xla_dx(dy, w, a, b):  # the block's XLA dX: dY W in fp32 + s (G A), G = dY B kept in fp32
+        x = jnp.zeros((dy.shape[0], w.shape[1]), dy.dtype)  # dX does not read x; dA / dB are dead code here
+        return lora_linear_bwd(x, w, a, b, s, None, dy, f32)[0]
+
+    v = {"xla dX (block default)": xla_dx,
+         "dY W alone (cuBLAS, no LoRA)": lambda dy, w, a, b: jnp.matmul(dy, w, preferred_element_type=f32)}
+    if on_gpu:
+        v = {"mosaic-gpu fused dX": lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s), **v}
+    return v
+
+
 def suite_lora_proj(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
     """One LoRA projection's forward ``X W^T + s (X A^T) B^T`` (bf16, r = 16) at the block's four shapes: the Mosaic
     GPU kernel (:mod:`jaxgrad.ops.lora_linear_mgpu`; GPU only), XLA's fold-b and unfolded forms, and the base GEMM
-    alone (what cuBLAS does without the LoRA terms)."""
+    alone (what cuBLAS does without the LoRA terms); then (suite name ``lora_proj_dx``) its backward's
+    ``dX = dY W + (s dY B) A`` in fp32: the Mosaic GPU kernel, the block's XLA form and ``dY W`` alone."""
     variants = _lora_proj_variants(jax.default_backend() == "gpu")
+    dx_variants = _lora_proj_dx_variants(jax.default_backend() == "gpu")
     rows: list[bm.Row] = []
     for m, k, n in LORA_PROJ_SHAPES[sizes]:
         r = LORA_PROJ_RANK
@@ -421,6 +440,13 @@ def suite_lora_proj(sizes: str, precision: str, *, repeats: int = 20, warmup: in
                                                [1.0, k ** -0.5, k ** -0.5, r ** -0.5]))
         flops, bytes_moved = lora_proj_cost(m, k, n, r)
         rows += bm.run_variants("lora_proj", variants, (x, w, a, b), sizes={"M": m, "K": k, "N": n, "r": r},
+                                flops=flops, bytes_moved=bytes_moved, precision=precision, floor_precision="tf32",
+                                warmup=warmup, repeats=repeats)
+        # the backward's dX = dY W + (s dY B) A of the same projection (fp32 out, as the block keeps it)
+        dy = jax.random.normal(jax.random.fold_in(keys[0], 1), (m, n), jnp.float32).astype(jnp.bfloat16)
+        flops, bytes_moved = lora_proj_cost(m, n, k, r)
+        bytes_moved += 2.0 * m * k  # dX written in fp32
+        rows += bm.run_variants("lora_proj_dx", dx_variants, (dy, w, a, b), sizes={"M": m, "K": k, "N": n, "r": r},
                                 flops=flops, bytes_moved=bytes_moved, precision=precision, floor_precision="tf32",
                                 warmup=warmup, repeats=repeats)
     return rows

@@ -151,6 +151,9 @@ def test_bench_script_lora_proj_small(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(next(out.glob("lora_proj-*.json")).read_text())["rows"]
     assert [r["variant"] for r in rows] == ["xla fold-b (block default)", "xla unfolded",
-                                            "x W^T alone (cuBLAS, no LoRA)"]
+                                            "x W^T alone (cuBLAS, no LoRA)", "xla dX (block default)",
+                                            "dY W alone (cuBLAS, no LoRA)"]
+    assert [r["suite"] for r in rows] == ["lora_proj"] * 3 + ["lora_proj_dx"] * 2
+    rows = rows[:3]
     m, k, n, r = 512, 256, 128, 16
     assert all(r_["flops"] == 2 * m * k * (n + r) + 2 * m * r * n and r_["median_ms"] > 0 for r_ in rows)
