@@ -114,7 +114,7 @@ def _group(job) -> dict:
             "seconds": round(time.time() - t0, 1)}
 
 
-REPLICAS_RULE = "16 (32 where every leaf has < 1000 entries)"
+REPLICAS_RULE = "16 (32 where every leaf has <= 4096 entries)"
 
 
 def case_replicas(case) -> int:
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scales", nargs="+", type=float, default=list(SCALES))
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--replicas", type=int, default=None,
-                    help="K (default: check_vjp's, stats.replicas_for: 32 when every leaf has < 1000 entries, else 16)")
+                    help="K (default: check_vjp's, stats.replicas_for: 32 when every leaf has <= 4096 entries, else 16)")
     ap.add_argument("--quick", action="store_true", help="sizes 64 and 1024, 4 trials")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results")

@@ -247,7 +247,7 @@ def test_block_bad_input_is_named():
         bad = jax.tree.map(lambda a: a, params)
         bad["mlp"]["gate_proj"]["weight"] = bad["mlp"]["gate_proj"]["weight"].T
         block(bad, lora, x, CFG, LCFG)
-    with pytest.raises(ValueError, match="'backend' must be one of 'xla', 'reference', 'pallas', got 'triton'"):
+    with pytest.raises(ValueError, match="'backend' must be one of 'xla', 'reference', 'pallas', 'mosaic', got 'triton'"):
         block(params, lora, x, CFG, LCFG, backend="triton")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="attention='cudnn' needs a GPU"):

@@ -191,7 +191,7 @@ def test_interpret_is_automatic_off_gpu_and_bad_backend_is_named():
         auto, forced = (jax.jit(lambda p, ad, x, i=i: block(p, ad, x, CFG, LCFG, backend="pallas", interpret=i))
                         for i in (None, True))
         np.testing.assert_array_equal(auto(params, lora, x), forced(params, lora, x))
-    with pytest.raises(ValueError, match="block: 'backend' must be one of 'xla', 'reference', 'pallas', got 'triton'"):
+    with pytest.raises(ValueError, match="block: 'backend' must be one of 'xla', 'reference', 'pallas', 'mosaic', got 'triton'"):
         block(params, lora, x, CFG, LCFG, backend="triton")
 
 

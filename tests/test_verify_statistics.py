@@ -358,7 +358,7 @@ def test_small_functions_get_32_replicas_and_a_10_sigma_entry_is_caught():
     # all have < 1000 entries (cheap) gets 32 replicas, larger ones keep 16
     from jaxgrad.verify.stats import replicas_for
 
-    assert replicas_for(999) == 32 and replicas_for(1000) == 16
+    assert replicas_for(4096) == 32 and replicas_for(4097) == 16
     rep = _check(dense_kernel("bf16"), dense, *_dense_args(0))
     assert rep.passed and rep.leaf("args[1]").stats.replicas == 32, str(rep)
     big = _check(dense_kernel("bf16"), dense, *_dense_args(0, batch=128, n_in=8, n_out=8))  # x, y: 1024 entries

@@ -293,7 +293,7 @@ def check_vjp(
       name: label for the report.
       arg_names: names of the positional arguments for the report (default ``args[0]``, ``args[1]``, ...).
       replicas: K, the number of rounding samples of the statistical verdict (at least 8). Default: 16, or 32 when
-        every gradient and output leaf has fewer than 1000 entries (:func:`jaxgrad.verify.stats.replicas_for`).
+        every gradient and output leaf has at most 4096 entries (:func:`jaxgrad.verify.stats.replicas_for`).
 
     Returns:
       A :class:`~jaxgrad.verify.report.VJPReport`; ``report.passed`` is the verdict, ``print(report)`` the table.
