@@ -355,13 +355,13 @@ def test_rho_behind_kinks_is_measured_past_the_flips():
 def test_small_functions_get_32_replicas_and_a_10_sigma_entry_is_caught():
     # with 16 replicas an entry's variance is known only to F(1, 16) and rho is a median of a few dozen ratios:
     # one entry 10 modelled sigma off in a 64-entry leaf was caught in 16-20 of 20 trials; a function whose leaves
-    # all have < 1000 entries (cheap) gets 32 replicas, larger ones keep 16
+    # all have at most 4096 entries (cheap) gets 32 replicas, larger ones keep 16 (stats.SMALL_LEAF's derivation)
     from jaxgrad.verify.stats import replicas_for
 
     assert replicas_for(4096) == 32 and replicas_for(4097) == 16
     rep = _check(dense_kernel("bf16"), dense, *_dense_args(0))
     assert rep.passed and rep.leaf("args[1]").stats.replicas == 32, str(rep)
-    big = _check(dense_kernel("bf16"), dense, *_dense_args(0, batch=128, n_in=8, n_out=8))  # x, y: 1024 entries
+    big = _check(dense_kernel("bf16"), dense, *_dense_args(0, batch=640, n_in=8, n_out=8))  # x, y: 5120 entries
     assert big.leaf("args[1]").stats.replicas == 16
     rng = np.random.default_rng(3)
     caught = 0
