@@ -462,8 +462,8 @@ SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan":
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("suite", choices=sorted(SUITES))
-    p.add_argument("--sizes", choices=["small", "full"], default=None,
-                   help="problem sizes (default: full on a GPU, small elsewhere)")
+    p.add_argument("--sizes", choices=["small", "full", "long"], default=None,
+                   help="problem sizes (default: full on a GPU, small elsewhere; long: the lora suite at seq 8192)")
     p.add_argument("--out", default="benchmarks/results", help="results directory (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per variant (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per variant (default: %(default)s)")
@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ("full" if jax.default_backend() == "gpu" else "small")
     ctx = jax.default_matmul_precision("highest") if args.precision == "highest" else contextlib.nullcontext()
     extra = {}
+    if sizes == "long" and args.suite != "lora":
+        raise SystemExit(f"--sizes long is only defined for the lora suite (seq 8192), not {args.suite!r}")
     if (args.variants or args.budget_s is not None) and args.suite != "lora":
         raise SystemExit(f"--variants and --budget-s are only implemented for the lora suite, not {args.suite!r}")
     if args.variants:

@@ -96,3 +96,13 @@ def test_bench_lora_small_runs_here_each_variant_in_its_own_process(tmp_path):
         got = norms(r)
         for k in want:
             assert got[k] == pytest.approx(want[k], rel=tol), (r["variant"], k, got, want)
+
+
+def test_the_seq_8192_row_has_the_full_block_widths_and_more_attention_flops():
+    full, long = bench.SIZES["full"], bench.SIZES["long"]
+    assert long["seq"] == 8192 and long["batch"] * long["seq"] == full["batch"] * full["seq"]
+    assert {k: v for k, v in long.items() if k not in ("batch", "seq")} == \
+        {k: v for k, v in full.items() if k not in ("batch", "seq")}
+    f_full, f_long = (bench.block_flops(**bench.SIZES[s])["total"] for s in ("full", "long"))
+    assert f_long > f_full  # the same projections, 4x the causal pairs per sequence
+    assert any("seq=8192" in line for line in bench.floor_lines("long"))

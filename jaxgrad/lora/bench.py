@@ -1,7 +1,7 @@
 r"""The ``lora`` benchmark suite (issue #12 item 5): one Llama decoder block with LoRA on all 7 projections, forward
 and backward (the LoRA gradients and ``dx``), bf16, each variant **in a fresh process**.
 
-    python scripts/bench.py lora [--sizes small|full] [--repeats N] [--warmup N] [--variants SUBSTR,...]
+    python scripts/bench.py lora [--sizes small|full|long] [--repeats N] [--warmup N] [--variants SUBSTR,...]
 
 Variants (``VARIANTS``; on a machine without a GPU the cuDNN attention is replaced by
 ``jax.nn.dot_product_attention(implementation="xla")``, the same code path, and the variant is named so):
@@ -72,6 +72,8 @@ from jaxgrad import benchmarking as bm
 SIZES = {
     "full": dict(batch=4, seq=2048, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632, r=16),
     "small": dict(batch=2, seq=32, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=160, r=4),
+    # issue #13's row at seq 8192: the full block's widths, one sequence of 8192 tokens (as many tokens as "full")
+    "long": dict(batch=1, seq=8192, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632, r=16),
 }
 LORA_ALPHA_OVER_R = 1.0  # lora_alpha = r: scale 1
 ROPE_THETA = 10000.0
