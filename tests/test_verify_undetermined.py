@@ -40,6 +40,36 @@ def test_a_saturated_bf16_softmax_is_undetermined_not_a_pass_and_not_a_bug():
     assert all(lf.undetermined for lf in rep.failures)
 
 
+def _with_scaled_v_grad(fn, s):
+    @jax.custom_vjp
+    def f(q, k, v):
+        return fn(q, k, v)
+
+    def fwd(q, k, v):
+        return jax.vjp(fn, q, k, v)
+
+    def bwd(pb, g):
+        dq, dk, dv = pb(g)
+        return dq, dk, dv * s
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def test_an_undetermined_forward_does_not_pick_the_precision_of_the_gradients():
+    # run 40 of the seed-1 CPU false-alarm sweep (session 12): a bf16 kernel on f32 arrays behind a saturated softmax.
+    # Its forward is undetermined under every hypothesis, so the finest that "agrees" (tf32) was adopted, and dv --
+    # determined, correct at bf16 -- failed tf32's scale test: a false alarm. Such a leaf is now undetermined.
+    case = make_case("attention", 311, "bf16", np.random.default_rng(1658061678))
+    args = _saturated_attention_args(case)
+    rep = check_vjp(case.fn, case.reference, *args, seed=678, **QUIET)
+    assert not rep.passed and rep.undetermined, rep
+    assert "agrees with bf16" in rep.leaf("args[2]").verdict
+    # a real bug in that leaf is not excused: 10% on dv fails at every hypothesis
+    bad = check_vjp(_with_scaled_v_grad(case.fn, 1.1), case.reference, *args, seed=678, **QUIET)
+    assert not bad.passed and not bad.undetermined and not bad.leaf("args[2]").undetermined, bad
+
+
 def test_the_same_kernel_at_ordinary_inputs_is_judged():
     case = make_case("attention", 395, "bf16", np.random.default_rng(3))
     ok = check_vjp(case.fn, case.reference, *case.args, precision="bf16", seed=3, **QUIET)
