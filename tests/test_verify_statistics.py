@@ -415,3 +415,14 @@ def test_slices_that_round_in_only_a_few_replicas_have_no_level_and_no_crash():
     null = stats_mod.leaf_null(r, g, "bf16")
     assert 0 not in null.slice_means and 0 not in null.slice_level_median
     assert leaf_statistics(0.5 * r[0], r, g, "bf16", null=null).slice_ratio >= 0
+
+
+def test_a_leaf_whose_weights_underflow_tells_no_scale_and_does_not_crash():
+    # g_i^2 / v_i underflows to 0 for every entry (tiny gradients, replicas of e^60-size jumps: a saturated softmax
+    # in bf16): the scale test has no information -- no division by zero, a vacuous scale limit (run 284 of the
+    # seed-1 CPU sweep, session 12)
+    rng = np.random.default_rng(9)
+    g = 1e-160 * rng.standard_normal((6, 5))
+    r = 1e150 * rng.standard_normal((32, 6, 5))
+    st = leaf_statistics(0.5 * r[0], r, g, "bf16")
+    assert st.beta == 0.0 and st.beta_limit == float("inf") and "scale" not in st.failed

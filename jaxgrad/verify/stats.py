@@ -255,6 +255,8 @@ def _gated_scale(e: np.ndarray, g: np.ndarray, v0: np.ndarray, kink: np.ndarray 
     standard deviations and a flip can explain it; ``w = g / v_f``. Re-weighted until the gated set settles."""
     vv = np.maximum(v0, q * g * g)
     w = g / vv
+    if not float(g @ w) > 0:  # every g_i^2 / v_i underflows (replicas of e^60-size jumps): the leaf tells no scale
+        return 0.0, np.zeros_like(w), vv
     beta = float(e @ w) / float(g @ w)
     if kink is None or not np.any(kink > 0):
         return beta, w, vv
@@ -268,6 +270,8 @@ def _gated_scale(e: np.ndarray, g: np.ndarray, v0: np.ndarray, kink: np.ndarray 
         flag = new
         vf = np.where(flag, vv + kink * kink, vv)
         w = g / vf
+        if not float(g @ w) > 0:
+            return 0.0, np.zeros_like(w), vf
         beta = float(e @ w) / float(g @ w)
     return beta, w, vf
 
@@ -452,7 +456,8 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
         gf = g.ravel()
         kf = None if kink is None else np.asarray(kink, np.float64).ravel()
         beta, w, vf = _gated_scale(e.ravel(), gf, nl.v0.ravel(), kf, nl.beta_q, rho_s)
-        independent = float(np.sqrt(np.sum(w * w * vf))) / float(gf @ w)  # e's gated entries, independent
+        gw = float(gf @ w)  # 0 where the leaf tells no scale (_gated_scale): the scale test is then vacuous
+        independent = float(np.sqrt(np.sum(w * w * vf))) / gw if gw > 0 else math.inf  # e's gated entries
         beta_sigma = rho_s * max(nl.beta_spread, independent)
         beta_limit = max(nl.beta_t * beta_sigma, bias_floor(precision))
     else:
