@@ -94,11 +94,16 @@ class BlockKernels:
             return rms_norm_bwd_pallas(x, w, rstd, dh, dx_dtype, interpret=self.interpret)
         return rms_norm_bwd(x, w, rstd, dh, dx_dtype)
 
+    def _mosaic(self, w, a, keep_scale) -> bool:
+        """Whether a projection may take the Mosaic GPU kernels: the mosaic backend on a GPU, a dense weight, an
+        adapter and no dropout mask (the shapes and dtypes are the kernels' own ``supported`` checks)."""
+        return (self.backend == "mosaic" and a is not None and keep_scale is None and not isinstance(w, NF4Weight)
+                and _on_gpu())
+
     def lora_fwd(self, h, w, a, b, scale, keep_scale):
         """The projection's ``Y`` by the Mosaic GPU kernel (``backend="mosaic"``, module doc), or ``None`` where the
         call does not qualify and the XLA path computes it."""
-        if (self.backend != "mosaic" or not self.fold_b or a is None or keep_scale is not None
-                or isinstance(w, NF4Weight) or not _on_gpu()):
+        if not (self.fold_b and self._mosaic(w, a, keep_scale)):
             return None
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu, supported
 
@@ -111,8 +116,7 @@ class BlockKernels:
         """The projection's whole ``dX = dY W + (s dY B) A`` in fp32 by the Mosaic GPU kernel (``backend="mosaic"``;
         ``dy`` rounded once to ``dtype`` first, as :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does), or
         ``None`` where the call does not qualify."""
-        if (self.backend != "mosaic" or a is None or keep_scale is not None or isinstance(w, NF4Weight)
-                or not _on_gpu()):
+        if not self._mosaic(w, a, keep_scale):
             return None
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_dx_mgpu, supported_dx
 
