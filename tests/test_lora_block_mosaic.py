@@ -5,6 +5,8 @@ widths of 128, r = 16), and the test checks that the kernels are really in the c
 mosaic backend is the XLA path bit for bit: ``tests/test_lora_block.py``.)
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,13 +42,20 @@ def _inputs(seed, dtype):
     return frozen, norms, lora, cast(rng.standard_normal((B, T, _H)))
 
 
-def _kernel_calls(fn, x, lora, norms, **lower):
-    """The distinct Mosaic GPU custom calls in the lowered program of the forward and the VJP."""
+def _step(fn):
     def step(x, lora, norms):
         y, pb = jax.vjp(fn, x, lora, norms)
         return y, pb(y)
-    text = jax.jit(step).trace(x, lora, norms).lower(**lower).as_text()
-    return [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+    return jax.jit(step)
+
+
+def _kernel_calls(fn, x, lora, norms, **lower):
+    """The distinct Mosaic GPU kernels (one line each, by their kernel hash) in the lowered program of the forward
+    and the VJP. A kernel whose side output one call site leaves unused lowers once per site (JAX prunes the unused
+    result from the call's wrapper, not from the kernel), so the lines are deduplicated by the kernel itself."""
+    text = _step(fn).trace(x, lora, norms).lower(**lower).as_text()
+    lines = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+    return list({re.search(r'kernel_hash = "([^"]*)"', line).group(1): line for line in lines}.values())
 
 
 def _fn(frozen, backend="mosaic"):
@@ -62,6 +71,23 @@ def test_every_projection_takes_the_kernels_when_lowered_for_a_gpu(monkeypatch):
     calls = _kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))
     assert len(calls) == 8, len(calls)
     assert sum("xf32>" in c.split("->")[-1] for c in calls) == 4  # the dX kernels write fp32
+    # each also returns its rank-r product (sU, sG: [rows, r] in bf16) for the backward's dB / dA
+    assert all(c.split("->")[-1].strip().endswith("tensor<256x16xbf16>)") for c in calls)
+
+
+def test_without_rank_outputs_the_kernels_return_one_result(monkeypatch):
+    # BlockKernels(mosaic_rank=False): the session-12 kernels (bench variant "custom_vjp cudnn mosaic-no-rank"),
+    # whose backward recomputes U and G on XLA; the same 8 kernels, each with its one output
+    from jaxgrad.lora.block import _block
+    from jaxgrad.lora.kernels import BlockKernels
+
+    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
+    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
+    frozen, norms, lora, x = _inputs(12, jnp.bfloat16)
+    kern = BlockKernels("mosaic", fold_b=True, mosaic_rank=False)
+    fn = lambda x, lora, norms: _block(CFG, LCFG, "xla", {**frozen, **norms}, lora, x, None, None, None, kern)  # noqa
+    calls = _kernel_calls(fn, x, lora, norms, lowering_platforms=("cuda",))
+    assert len(calls) == 8 and not any("16xbf16>)" in c.split("->")[-1] for c in calls)
 
 
 @pytest.mark.gpu
@@ -69,6 +95,11 @@ def test_gpu_mosaic_block_vjp_verified_bf16():
     frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
     fn = _fn(frozen)
     assert len(_kernel_calls(fn, x, lora, norms)) == 8  # compiled for this GPU: the kernels are really there
+    # and in the optimised program each projection's forward kernel runs once, shared by the backward's recompute
+    # (XLA's CSE of identical calls), beside its dX kernel: 7 + 7 launches
+    hlo = _step(fn).lower(x, lora, norms).compile().as_text()
+    launches = [ln for ln in hlo.splitlines() if "custom_call_target=\"mosaic_gpu" in ln]
+    assert len(launches) == 14, len(launches)
 
     def ref(x, lora, norms):
         return block_reference({**frozen, **norms}, lora, x, CFG, LCFG)

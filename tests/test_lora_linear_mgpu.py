@@ -75,6 +75,20 @@ def test_the_kernel_lowers_for_hopper_on_any_machine(mkn):
     assert "mosaic_gpu" in low.as_text()
 
 
+@pytest.mark.parametrize("mode", ["fwd", "dx"])
+def test_the_rank_side_output_lowers_as_a_second_result(mode):
+    # emit_rank: the kernel returns (Y, s L R2) with the [M, r] product in the operand dtype
+    m, k, n = 512, 256, 384
+    shapes = [(m, k), (n, k), (16, k), (n, 16)] if mode == "fwd" else [(m, n), (n, k), (16, k), (n, 16)]
+    spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    out = {} if mode == "fwd" else {"out_dtype": jnp.dtype(jnp.float32)}
+    text = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132, mode=mode, emit_rank=True,
+                       **out).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    y_type = f"tensor<{m}x{n if mode == 'fwd' else k}x{'bf16' if mode == 'fwd' else 'f32'}>"
+    assert call.split("->")[-1].strip().startswith(f"({y_type}, tensor<{m}x16xbf16>)"), call.split("->")[-1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (768, 320, 384), (8192, 2048, 1024), (8192, 5632, 2048)])
 def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn):
@@ -134,3 +148,28 @@ def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk):
                         np.float64)
     rms, rms_xla = (float(np.sqrt(np.mean((v - truth) ** 2))) for v in (dx, dx_xla))
     assert rms <= 1.5 * rms_xla, (rms, rms_xla)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mkn", [(768, 320, 384), (8192, 2048, 1024)])
+def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn):
+    # sU = s X A^T and sG = s dY B as the epilogues used them: equal to XLA's one rounding of the fp32 product up to
+    # the accumulation order (one bf16 ulp at most where the fp32 sums straddle a rounding boundary), and the main
+    # result unchanged by asking for them
+    m, k, n = mkn
+    x, w, a, b = _operands(sum(mkn) + 1, m, k, n, 16)
+    y, su = lora_linear_fwd_mgpu(x, w, a, b, SCALE, return_su=True)
+    assert su.shape == (m, 16) and su.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE)))
+    su_xla = (SCALE * jnp.matmul(x, a.T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+    su64, ref64 = np.asarray(su, np.float64), np.asarray(su_xla, np.float64)
+    assert np.max(np.abs(su64 - ref64) / np.maximum(np.abs(ref64), 1e-30)) <= 2.0**-7  # <= 1 ulp of bf16
+    assert np.mean(su64 == ref64) > 0.9  # and nearly all bit-identical: really the same product, every row block
+    dy = jax.random.normal(jax.random.key(m + n), (m, n), jnp.float32).astype(jnp.bfloat16)
+    dx, sg = lora_linear_dx_mgpu(dy, w, a, b, SCALE, return_sg=True)
+    assert sg.shape == (m, 16) and dx.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(lora_linear_dx_mgpu(dy, w, a, b, SCALE)))
+    sg_xla = (SCALE * jnp.matmul(dy, b, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+    sg64, ref64 = np.asarray(sg, np.float64), np.asarray(sg_xla, np.float64)
+    assert np.max(np.abs(sg64 - ref64) / np.maximum(np.abs(ref64), 1e-30)) <= 2.0**-7
+    assert np.mean(sg64 == ref64) > 0.9

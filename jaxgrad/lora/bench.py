@@ -91,6 +91,8 @@ JAX_VARIANTS = {
     # issue #13: the dense projections' forward (and recompute) as one Mosaic GPU kernel each (backend="mosaic")
     "custom_vjp cudnn mosaic": ("mosaic", "cudnn", False),
     "custom_vjp+low-memory cudnn mosaic": ("mosaic", "cudnn", False),
+    # the session-12 Mosaic GPU kernels without their rank-r side outputs (dA / dB recompute U and G on XLA)
+    "custom_vjp cudnn mosaic-no-rank": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
@@ -110,7 +112,7 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic",
-             "custom_vjp+low-memory cudnn mosaic")  # most wanted first (a budget may cut)
+             "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank")  # most wanted first
 
 
 def variant_names(on_gpu: bool) -> list[str]:
@@ -231,6 +233,12 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
         if attention.startswith("sdpa:"):  # the attention="cudnn" code path with another implementation (CPU)
             return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1],
                                group_projections=grouped, low_memory=low_memory, fold_lora_b=fold_b)
+        if name.endswith("mosaic-no-rank"):  # not a block() option: the kernel choice given directly
+            from jaxgrad.lora.block import _block
+            from jaxgrad.lora.kernels import BlockKernels
+
+            kern = BlockKernels("mosaic", fold_b=True, mosaic_rank=False)
+            return _block(cfg, lcfg, attention, params, lora, x, None, None, None, kern)
         return block(params, lora, x, cfg, lcfg, attention=attention, backend=backend, group_projections=grouped,
                      low_memory=low_memory, fold_lora_b=fold_b)
 

@@ -265,7 +265,8 @@ def _dropout(lcfg, dropout_key) -> bool:
 
 def _projections(lcfg, params, lora, dropout_key, kern, dt):
     """``(projs, us)``: ``projs(h, names)`` runs the projections ``names`` of one input (one GEMM [W...; A...] where
-    they can be grouped, grouped.py, else one by one); ``us`` collects each grouped projection's LoRA ``U``."""
+    they can be grouped, grouped.py, else one by one); ``us`` collects each grouped projection's LoRA ``U`` (and,
+    under ``("su", name)``, the Mosaic GPU kernel's ``sU``)."""
     s = 0.0 if lcfg is None else lcfg.scale
     dropout = _dropout(lcfg, dropout_key)
     us = {}
@@ -274,9 +275,11 @@ def _projections(lcfg, params, lora, dropout_key, kern, dt):
         a, bb = _adapter(lora, lcfg, g, n)
         w = params[g][n]["weight"]
         keep = _keep(lcfg, dropout_key, g, n, h.shape, dt)
-        y = kern.lora_fwd(h, w, a, bb, s, keep)  # the Mosaic GPU kernel (mosaic backend) where the call qualifies
-        if y is not None:
-            return y
+        out = kern.lora_fwd(h, w, a, bb, s, keep)  # the Mosaic GPU kernel (mosaic backend) where the call qualifies
+        if out is not None:
+            if out[1] is not None:
+                us[("su", (g, n))] = out[1]  # s h A^T as the kernel rounded it: the backward's dB reads it
+            return out[0]
         xw = kern.base_fwd(h, w)  # h W^T in fp32 by the NF4 kernel (pallas backend), else None: W dequantised here
         return lora_linear_fwd(h, None if xw is not None else base_weight(w, dt), a, bb, s, keep, xw=xw,
                                fold_b=kern.fold_b)
@@ -362,10 +365,11 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
         a, bb = _adapter(lora, lcfg, g, n)
         w = params[g][n]["weight"]
         keep = _keep(lcfg, dropout_key, g, n, h.shape, dt)
-        dx_full = kern.lora_dx(dout, w, a, bb, s, keep, dt)  # the Mosaic GPU kernel (mosaic backend), else None
+        dx_full, sg = kern.lora_dx(dout, w, a, bb, s, keep, dt) or (None, None)  # the Mosaic GPU kernel, else None
         dyw = None if dx_full is not None else kern.base_dx(dout, w, dt)  # dY W by the NF4 kernel (pallas backend)
         w = None if dyw is not None else base_weight(w, dt)  # NF4 on XLA: re-dequantised here, never saved
-        dh, da, db = lora_linear_bwd(h, w, a, bb, s, keep, dout, cdt, dyw=dyw, dx_full=dx_full)
+        dh, da, db = lora_linear_bwd(h, w, a, bb, s, keep, dout, cdt, dyw=dyw, dx_full=dx_full, sg=sg,
+                                     su=act["us"].get(("su", (g, n))))
         if a is not None:
             grads.setdefault(g, {})[n] = {"lora_A": da, "lora_B": db}
         return dh

@@ -22,7 +22,9 @@ computing ``X W^T + s (X A^T) B^T`` with ``fold_lora_b``'s arithmetic (``sU`` ro
 one rounding of ``Y``), where the call qualifies (a GPU, 16-bit operands, tile-divisible shapes, no dropout mask,
 ``fold_lora_b``); and each such projection's ``dX = dY W + (s dY B) A`` in the backward is
 :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu` (fp32 out; ``s dY B`` rounded once to the operand dtype).
-Elsewhere, and for everything else (``dA``, ``dB``, attention, norms), the XLA path.
+Both kernels also return their rank-r products as rounded (``sU``, ``sG``), from which XLA forms ``dB = dY^T (sU)``
+and ``dA = (sG)^T h`` without a second skinny pass over ``h`` or ``dY``. Elsewhere, and for everything else (``dA``,
+``dB`` themselves, attention, norms), the XLA path.
 
 ``interpret``: ``None`` lets :mod:`jaxgrad.pallas_backend` decide (interpret mode unless JAX's default backend is
 a GPU, where the kernels are compiled by Triton); ``True`` / ``False`` force it (tests on a GPU machine's CPU force
@@ -72,6 +74,9 @@ class BlockKernels:
     # each projection's LoRA B folded into its base GEMM along K, [X | sU] [W | B]^T (lora_linear_fwd's fold_b);
     # block() turns it on by default (H100: the same time, 131 MiB less peak memory; NOTES.md, session 12)
     fold_b: bool = False
+    # the Mosaic GPU kernels also return sU / sG for the backward's dB / dA (no second skinny pass over h or dY);
+    # off only to measure the session-12 kernels beside them (bench variant "custom_vjp cudnn mosaic-no-rank")
+    mosaic_rank: bool = True
 
     @property
     def pallas(self) -> bool:
@@ -101,8 +106,9 @@ class BlockKernels:
                 and _on_gpu())
 
     def lora_fwd(self, h, w, a, b, scale, keep_scale):
-        """The projection's ``Y`` by the Mosaic GPU kernel (``backend="mosaic"``, module doc), or ``None`` where the
-        call does not qualify and the XLA path computes it."""
+        """``(Y, sU)``: the projection's output and ``s h A^T`` (rounded once to the operand dtype, for the
+        backward's ``dB``) by the Mosaic GPU kernel (``backend="mosaic"``, module doc), or ``None`` where the call
+        does not qualify and the XLA path computes it."""
         if not (self.fold_b and self._mosaic(w, a, keep_scale)):
             return None
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu, supported
@@ -110,12 +116,15 @@ class BlockKernels:
         b = b.astype(h.dtype)
         if supported(h.reshape(-1, h.shape[-1]), w, a, b) is not None:
             return None
-        return lora_linear_fwd_mgpu(h, w, a, b, scale)
+        if not self.mosaic_rank:
+            return lora_linear_fwd_mgpu(h, w, a, b, scale), None
+        return lora_linear_fwd_mgpu(h, w, a, b, scale, return_su=True)
 
     def lora_dx(self, dy, w, a, b, scale, keep_scale, dtype):
-        """The projection's whole ``dX = dY W + (s dY B) A`` in fp32 by the Mosaic GPU kernel (``backend="mosaic"``;
-        ``dy`` rounded once to ``dtype`` first, as :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does), or
-        ``None`` where the call does not qualify."""
+        """``(dX, sG)``: the projection's whole ``dX = dY W + (s dY B) A`` in fp32 and ``sG = s dY B`` (rounded once
+        to ``dtype``, for the backward's ``dA``) by the Mosaic GPU kernel (``backend="mosaic"``; ``dy`` rounded once
+        to ``dtype`` first, as :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does), or ``None`` where the call
+        does not qualify."""
         if not self._mosaic(w, a, keep_scale):
             return None
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_dx_mgpu, supported_dx
@@ -124,7 +133,10 @@ class BlockKernels:
         a, b = a.astype(dtype), b.astype(dtype)
         if supported_dx(d2, w, a, b) is not None:
             return None
-        return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=jnp.promote_types(dtype, jnp.float32))
+        out_dtype = jnp.promote_types(dtype, jnp.float32)
+        if not self.mosaic_rank:
+            return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype), None
+        return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype, return_sg=True)
 
     def nf4_kernel(self, w) -> bool:
         return self.pallas and isinstance(w, NF4Weight)

@@ -76,12 +76,14 @@ def lora_linear_fwd(x, w, a, b, scale, keep_scale=None, *, xw=None, fold_b=False
     return y.astype(x.dtype)
 
 
-def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=None, dx_full=None):
+def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=None, dx_full=None, su=None, sg=None):
     """``(dx, dA, dB)`` of the LoRA linear (``dA = dB = None`` without an adapter); dx in ``dx_dtype`` (default
     x's dtype; the block keeps its gradient sums in fp32). ``dyw``: the base term ``dY W`` computed elsewhere,
     unrounded (the LoRA block's NF4 kernel; ``w`` is then unused). ``dx_full``: the whole ``dX = dY W + s (G A)``
     computed elsewhere (the Mosaic GPU kernel, :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu`): only
-    ``dA`` and ``dB`` are computed here."""
+    ``dA`` and ``dB`` are computed here. ``su`` / ``sg``: ``s U`` / ``s G`` ``[..., r]`` as the Mosaic GPU kernels
+    wrote them (rounded once to x's dtype); then ``dB = dY^T (sU)`` and ``dA = (sG)^T drop(X)`` without recomputing
+    ``U`` or ``G`` (the same products: ``s`` moves inside the one rounding, exact for a power-of-two ``s``)."""
     cdt = _cdt(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -97,13 +99,19 @@ def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=Non
     if a is None:
         return dx.reshape(*lead, -1).astype(dx_dtype or x.dtype), None, None
     xd = x2 if keep_scale is None else x2 * keep_scale.reshape(x2.shape).astype(x.dtype)
-    u = _mm(xd, a, cdt)  # U = drop(X) A^T, recomputed
-    g = _mm(dy2, b.astype(x.dtype).T, cdt)  # G = dY B
-    # dA = s G^T drop(X) ; dB = s dY^T U
-    da = scale * _mm(g.astype(x.dtype).T, xd.T, cdt)
-    db = scale * _mm(dy2.T, u.astype(x.dtype).T, cdt)
+    # dA = s G^T drop(X) ; dB = s dY^T U  (G = dY B; U = drop(X) A^T recomputed, or the kernels' sG / sU)
+    if sg is not None:
+        da = _mm(sg.reshape(-1, sg.shape[-1]).astype(x.dtype).T, xd.T, cdt)
+    else:
+        g = _mm(dy2, b.astype(x.dtype).T, cdt)
+        da = scale * _mm(g.astype(x.dtype).T, xd.T, cdt)
+    if su is not None:
+        db = _mm(dy2.T, su.reshape(-1, su.shape[-1]).astype(x.dtype).T, cdt)
+    else:
+        db = scale * _mm(dy2.T, _mm(xd, a, cdt).astype(x.dtype).T, cdt)
     # dX += s m * (G A)
     if dx_full is None:
+        g = _mm(dy2, b.astype(x.dtype).T, cdt) if sg is not None else g
         dlora = scale * jnp.matmul(g, a.astype(cdt))
         dx = dx + (dlora if keep_scale is None else dlora * keep_scale.reshape(x2.shape).astype(cdt))
     return dx.reshape(*lead, -1).astype(dx_dtype or x.dtype), da.astype(a.dtype), db.astype(b.dtype)

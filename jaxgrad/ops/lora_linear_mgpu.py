@@ -26,7 +26,10 @@ Registers per compute thread: the accumulator ``tile_m tile_n / 128`` fp32 (128 
 operands (3 x 50 KiB at 128/128/64, r = 16), ``sU`` and ``B`` tiles, two epilogue slots per warpgroup.
 
 The backward kernel writes ``dX`` in fp32 by default (the LoRA block's gradient sums are fp32); ``s G`` (``G = dY
-B``) is rounded once to the operand dtype before ``G A``, as ``sU`` is forward. ``dA`` and ``dB`` stay on XLA.
+B``) is rounded once to the operand dtype before ``G A``, as ``sU`` is forward. ``dA`` and ``dB`` stay on XLA; each
+kernel can also write its rank-r product as rounded (``sU`` forward, ``sG`` for dX; ``[M, r]``, one TMA store per
+row block from the CTAs of the first column tile), so that ``dB = dY^T (sU)`` and ``dA = (sG)^T X`` need no second
+pass over ``X`` or ``dY`` for the skinny products.
 
 Scope: bf16 or f16 operands (``wgmma`` on 16-bit types; f32 would be TF32), shapes divisible by the tiles
 (``M % 2 tile_m``, output columns ``% tile_n``, contraction ``% tile_k``, ``r % 16``), no dropout mask;
@@ -105,10 +108,12 @@ def supported_dx(dy, w, a, b, config: TileConfig = TileConfig()) -> str | None:
                                     "K": ("the contraction N (dy's columns)", n), "r": ("the rank r", r)}, config)
 
 
-def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *, scale: float, cfg: TileConfig, t1: bool):
+def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: float, cfg: TileConfig, t1: bool):
     """``Y = L R1 + (s (L R2)) R3`` (module doc), ``L`` [M, Kc]; ``R1`` [Kc, N] (stored transposed, [N, Kc], when
     ``t1``), ``R2`` and ``R3`` stored transposed, ``R2^T`` [r, Kc] and ``R3^T`` [N, r]. Forward: ``R1^T = W``,
-    ``R2^T = A``, ``R3^T = B``; dX: ``R1 = W``, ``R2^T = B^T``, ``R3^T = A^T``."""
+    ``R2^T = A``, ``R3^T = B``; dX: ``R1 = W``, ``R2^T = B^T``, ``R3^T = A^T``. ``rank_gmem``: optionally one more
+    output, ``s (L R2)`` [M, r] as rounded for the epilogue (``sU`` forward, ``sG`` for dX), written by the CTAs of
+    the first output column tile only (every column tile of a row block computes the same one)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -179,6 +184,10 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *, scale: float, cfg:
                     # Y += (s U) R3: s U rounded once to the operand dtype (lora_linear_fwd's fold_b)
                     su_smem[wg] = (u_ref[...] * scale).astype(dtype)
                     plgpu.commit_smem()
+                    if rank_gmem:  # the rank-r side output (sU or sG) for dA / dB, once per row block
+                        @pl.when(n_idx == 0)
+                        def _store_rank():
+                            plgpu.copy_smem_to_gmem(su_smem.at[wg], rank_gmem[0].at[cta_m_slice].at[wg_m_slice])
                     plgpu.barrier_wait(r3_barrier.at[wg])
                     plgpu.wgmma(acc_ref, su_smem.at[wg], r3_smem.at[wg].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
@@ -215,9 +224,11 @@ def _num_sms() -> int:
     return backend.get_default_device().core_count
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "num_sms", "mode", "out_dtype"))
-def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None):
-    """``mode="fwd"``: ``X W^T + s (X A^T) B^T`` (lhs = X); ``mode="dx"``: ``dY W + s (dY B) A`` (lhs = dY)."""
+@functools.partial(jax.jit, static_argnames=("scale", "config", "num_sms", "mode", "out_dtype", "emit_rank"))
+def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, emit_rank=False):
+    """``mode="fwd"``: ``X W^T + s (X A^T) B^T`` (lhs = X); ``mode="dx"``: ``dY W + s (dY B) A`` (lhs = dY).
+    ``emit_rank``: also return the rank-r product as the epilogue used it, ``s X A^T`` / ``s dY B`` [M, r] in the
+    operand dtype."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     fwd = mode == "fwd"
@@ -225,9 +236,12 @@ def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None):
     # dX: W as stored ([N, K] is R1 = [Kc, N_out] untransposed); the rank-r operands go in transposed (B^T [r, N],
     # A^T [K, r]: tiny copies), since a 16-wide untransposed wgmma operand does not lower (layout inference)
     operands = (w, a, b) if fwd else (w, b.T, a.T)
+    out_type = jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype)
+    if emit_rank:
+        out_type = (out_type, jax.ShapeDtypeStruct((lhs.shape[0], a.shape[0]), lhs.dtype))
     f = plgpu.kernel(
         functools.partial(_kernel, scale=scale, cfg=config, t1=fwd),
-        out_type=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype),
+        out_type=out_type,
         grid=(num_sms,),
         grid_names=("cluster_grid",),
         num_threads=3,  # two compute warpgroups and the memory warpgroup
@@ -237,7 +251,8 @@ def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None):
     return f(lhs, *operands)
 
 
-def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConfig(), num_sms: int | None = None):
+def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConfig(), num_sms: int | None = None,
+                         *, return_su: bool = False):
     r"""``Y = X W^T + s (X A^T) B^T`` in one Mosaic GPU kernel (module doc); ``x`` may have leading batch axes.
 
     Args:
@@ -246,18 +261,24 @@ def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConf
       scale: ``s = lora_alpha / r`` (a Python float: it is compiled in).
       config: the tiles.
       num_sms: CTAs of the persistent grid (default: the device's multiprocessor count).
+      return_su: also return ``sU = s X A^T`` ``[..., r]`` as the epilogue used it (rounded once to the operand
+        dtype): the backward's ``dB = dY^T (sU)`` then needs no second pass over ``X`` (the LoRA block's mosaic
+        backend; XLA's path shares its forward ``U`` with the backward instead).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     why = supported(x2, w, a, b, config)
     if why is not None:
         raise ValueError(f"lora_linear_fwd_mgpu: {why}")
-    y = _call(x2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()))
-    return y.reshape(*lead, w.shape[0])
+    out = _call(x2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
+                emit_rank=return_su)
+    if return_su:
+        return out[0].reshape(*lead, w.shape[0]), out[1].reshape(*lead, a.shape[0])
+    return out.reshape(*lead, w.shape[0])
 
 
 def lora_linear_dx_mgpu(dy, w, a, b, scale: float, out_dtype=jnp.float32, config: TileConfig = TileConfig(),
-                        num_sms: int | None = None):
+                        num_sms: int | None = None, *, return_sg: bool = False):
     r"""``dX = dY W + (s dY B) A`` in one Mosaic GPU kernel: the backward's input gradient of the LoRA projection,
     the forward kernel's loop with ``dY`` for ``X`` and the stored operands read untransposed (``G = dY B`` is the
     r-wide accumulator from the same ``dY`` tiles; ``s G`` rounded once to the operand dtype, like ``sU`` forward).
@@ -266,12 +287,16 @@ def lora_linear_dx_mgpu(dy, w, a, b, scale: float, out_dtype=jnp.float32, config
       dy: ``[..., N]`` output cotangent (16-bit); w: ``[N, K]``; a: ``[r, K]``; b: ``[N, r]``, one dtype.
       scale: ``s`` (a Python float).
       out_dtype: of ``dX`` (fp32 by default: the LoRA block keeps its gradient sums in fp32).
+      return_sg: also return ``sG = s dY B`` ``[..., r]`` as the epilogue used it (rounded once to the operand
+        dtype): the backward's ``dA = (sG)^T X`` then needs no second pass over ``dY``.
     """
     lead = dy.shape[:-1]
     d2 = dy.reshape(-1, dy.shape[-1])
     why = supported_dx(d2, w, a, b, config)
     if why is not None:
         raise ValueError(f"lora_linear_dx_mgpu: {why}")
-    y = _call(d2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()), mode="dx",
-              out_dtype=jnp.dtype(out_dtype))
-    return y.reshape(*lead, w.shape[1])
+    out = _call(d2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()), mode="dx",
+                out_dtype=jnp.dtype(out_dtype), emit_rank=return_sg)
+    if return_sg:
+        return out[0].reshape(*lead, w.shape[1]), out[1].reshape(*lead, a.shape[0])
+    return out.reshape(*lead, w.shape[1])
