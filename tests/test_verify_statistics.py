@@ -426,3 +426,37 @@ def test_a_leaf_whose_weights_underflow_tells_no_scale_and_does_not_crash():
     r = 1e150 * rng.standard_normal((32, 6, 5))
     st = leaf_statistics(0.5 * r[0], r, g, "bf16")
     assert st.beta == 0.0 and st.beta_limit == float("inf") and "scale" not in st.failed
+
+
+def test_a_small_leaf_whose_replicas_all_lie_within_their_jumps_is_no_norm_false_alarm():
+    # A conv's 6-entry bias behind ReLU kinks (H100 false-alarm sweep, session 13, run 31): every replica's error is
+    # within its entry's jump K, so shrinking by K leaves the replicas nothing, and e's float64-roundoff excess over K
+    # was judged against 1e-300 sum(v) (a norm ratio of 4.4e141). The yardstick is then the unshrunk replicas.
+    rng = np.random.default_rng(31)
+    g = rng.standard_normal(6)
+    kink = np.full(6, 1e-3)
+    r = 1e-4 * rng.standard_normal((16, 6))  # 10 sd inside every jump: all shrink to 0
+    e = 1e-4 * rng.standard_normal(6)
+    e[2] = kink[2] * (1 + 1e-12)  # fn took a flip there: its error is the jump (to float64 roundoff), no bug
+    st = leaf_statistics(e, r, g, "tf32", kink=kink)
+    assert st.passed, st.summary()
+    assert st.norm_ratio < 10
+    # a real error beyond the jumps still fails the norm test: 100 rounding sd past K on two entries
+    e_bad = e.copy()
+    e_bad[[0, 4]] = kink[[0, 4]] + 100 * 1e-4 * np.array([1.0, -1.0])
+    bad = leaf_statistics(e_bad, r, g, "tf32", kink=kink)
+    assert not bad.passed and "norm" in bad.failed, bad.summary()
+
+
+def test_weights_from_subnormal_gradient_squares_raise_no_warning():
+    # g_i != 0 whose square underflows (a saturated softmax's leaf): v_i / g_i^2 is not computed there (the H100
+    # sweep of session 13 printed divide-by-zero and invalid-multiply warnings; the verdict was undetermined)
+    rng = np.random.default_rng(50)
+    g = rng.standard_normal(40)
+    g[:30] = 1e-170 * np.sign(g[:30])
+    r = 1e-3 * rng.standard_normal((32, 40))
+    kink = np.zeros(40)
+    kink[5] = 1e-2
+    with np.errstate(divide="raise", over="raise", invalid="raise"):  # the warnings numpy prints are errors here
+        st = leaf_statistics(0.5 * r[0], r, g, "bf16", kink=kink)
+    assert np.isfinite(st.beta)

@@ -253,7 +253,8 @@ def _gated_scale(e: np.ndarray, g: np.ndarray, v0: np.ndarray, kink: np.ndarray 
     """``(beta, w, v_f)``: the weighted scale estimate of ``e`` (flat) with its kink jumps gated (module doc, test
     2). ``v_f = max(v0, q g^2)`` plus ``kappa^2`` where the residual ``e - beta g`` exceeds ``FLIP_GATE * sd``
     standard deviations and a flip can explain it; ``w = g / v_f``. Re-weighted until the gated set settles."""
-    vv = np.maximum(v0, q * g * g)
+    with np.errstate(over="ignore"):  # q g^2 = inf where q is (no finite precision cap): that entry weighs 0
+        vv = np.maximum(v0, np.where(g != 0, q * g * g, 0.0))
     w = g / vv
     if not float(g @ w) > 0:  # every g_i^2 / v_i underflows (replicas of e^60-size jumps): the leaf tells no scale
         return 0.0, np.zeros_like(w), vv
@@ -323,6 +324,15 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
     r_n = r if kink is None else _shrink(r, kink)
     r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r_n])
     norms = np.sum(r_perp * r_perp, axis=1)
+    if kink is not None and np.any(norms == 0):
+        # the shrink took a replica's whole error (every entry within its jump: a small leaf behind kinks, a conv's
+        # bias). Those replicas no longer sample the rounding that e's residual carries where fn flips and they did
+        # not, so the yardstick is the unshrunk replicas: |shrink(e, K)| <= |e's rounding part| entry by entry when
+        # fn's flips are within K, whose mean square the replicas' own (rounding plus their flips) bounds. Found on
+        # the H100 (session 13): a 6-entry bias whose replicas all shrank to 0 judged e's float64-roundoff excess
+        # over K against den = 1e-300 sum(v) -- a norm ratio of 4.4e141.
+        r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r])
+        norms = np.sum(r_perp * r_perp, axis=1)
     den = float(np.mean(norms)) + float(np.sum(v)) * 1e-300
     dof = float(np.sum(v) ** 2 / np.sum(v * v)) if np.sum(v * v) > 0 else 1.0  # independent entries
     if np.var(norms) > 0:  # correlated entries have fewer effective degrees of freedom: the replicas show how many
@@ -339,7 +349,9 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
     beta_spread, q, rho_median = 0.0, 0.0, float(sps.f.median(1, k))
     if gg > 0:
         gf, v0f = g.ravel(), v0.ravel()
-        q = float(np.median(v0f[gf != 0] / (gf[gf != 0] ** 2))) / WEIGHT_CAP
+        g2 = gf * gf  # g_i^2 may underflow where g_i != 0 (a saturated softmax's leaf): those entries weigh 0
+        with np.errstate(over="ignore"):  # v0 / g^2 beyond the float64 range (a subnormal g^2): inf, a weight of 0
+            q = float(np.median(v0f[g2 > 0] / g2[g2 > 0])) / WEIGHT_CAP if np.any(g2 > 0) else math.inf
         kf = None if kink is None else np.asarray(kink, np.float64).ravel()
         rf = r.reshape(k, -1)
         s2, floor = np.sum(rf * rf, axis=0), v0f - np.mean(rf * rf, axis=0)
