@@ -7,7 +7,8 @@
 All variants of a suite are timed one after the other in this process (the GPU machines are shared and noisy, so
 only side-by-side numbers are compared). The ``lora`` suite (:mod:`jaxgrad.lora.bench`) runs each variant in a
 fresh process instead, one after the other, so that each one's peak device memory is its own; ``--variants`` and
-``--budget-s`` apply to it. Off-GPU the Pallas kernels run in interpret mode, which is slow, so ``--sizes``
+``--budget-s`` apply to it. So does the ``lora_model`` suite (:mod:`jaxgrad.lora.bench_model`: one whole training
+step of a small Llama with LoRA, tokens/s and peak memory, against transformers + PEFT). Off-GPU the Pallas kernels run in interpret mode, which is slow, so ``--sizes``
 defaults to ``small`` there and to ``full`` on a GPU.
 
 A suite is a function ``suite_<name>(sizes, precision, *, repeats, warmup) -> list[Row]`` registered in
@@ -379,6 +380,18 @@ def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3
     return rows
 
 
+def suite_lora_model(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants=None,
+                     budget_s=None) -> list[bm.Row]:
+    """One whole training step (embedding, blocks, head, loss, LoRA grads, AdamW) of a small Llama with LoRA, bf16:
+    tokens/s and peak memory of our custom VJP (cuDNN attention; Mosaic GPU projections), jax.grad of the plain
+    model, transformers + PEFT; each variant in a fresh process (:mod:`jaxgrad.lora.bench_model`)."""
+    from jaxgrad.lora.bench_model import suite_lora_model as run
+
+    rows, notes = run(sizes, precision, repeats=repeats, warmup=warmup, variants=variants, budget_s=budget_s)
+    SUITE_NOTES["lora_model"] = notes
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One LoRA projection's forward (issue #13): the Mosaic GPU kernel against XLA, the block's four projection shapes
 # ---------------------------------------------------------------------------------------------------------------
@@ -453,7 +466,9 @@ def suite_lora_proj(sizes: str, precision: str, *, repeats: int = 20, warmup: in
 
 
 SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan, "cnn": suite_cnn,
-                                                  "lora": suite_lora, "lora_proj": suite_lora_proj}
+                                                  "lora": suite_lora, "lora_model": suite_lora_model,
+                                                  "lora_proj": suite_lora_proj}
+FRESH_PROCESS_SUITES = ("lora", "lora_model")  # each variant in a child process: --variants, --budget-s
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -470,16 +485,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["default", "highest"], default="default",
                    help="jax default matmul precision for the whole run (default: %(default)s)")
     p.add_argument("--variants", default=None,
-                   help="comma-separated substrings: run only the variants whose name contains one (lora suite)")
+                   help="comma-separated substrings: run only the variants whose name contains one (lora, "
+                        "lora_model suites)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-clock budget of the whole suite in seconds (lora suite: variants that do not fit are "
-                        "not started)")
+                   help="wall-clock budget of the whole suite in seconds (lora, lora_model suites: variants that "
+                        "do not fit are not started)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.suite == "lora":  # its variants run in child processes: this one must not preallocate the GPU's memory
+    if args.suite in FRESH_PROCESS_SUITES:  # variants in child processes: this one must not preallocate the GPU
         from jaxgrad.lora.bench import parent_setup
 
         parent_setup()
@@ -488,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     extra = {}
     if sizes == "long" and args.suite != "lora":
         raise SystemExit(f"--sizes long is only defined for the lora suite (seq 8192), not {args.suite!r}")
-    if (args.variants or args.budget_s is not None) and args.suite != "lora":
-        raise SystemExit(f"--variants and --budget-s are only implemented for the lora suite, not {args.suite!r}")
+    if (args.variants or args.budget_s is not None) and args.suite not in FRESH_PROCESS_SUITES:
+        raise SystemExit(f"--variants and --budget-s are only implemented for the {' and '.join(FRESH_PROCESS_SUITES)}"
+                         f" suites, not {args.suite!r}")
     if args.variants:
         extra["variants"] = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.budget_s is not None:

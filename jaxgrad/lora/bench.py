@@ -284,6 +284,31 @@ def torch_missing() -> str | None:
     return f"skipped: {', '.join(missing)} not installed" if missing else None
 
 
+def time_torch(step, row: bm.Row, *, warmup: int, repeats: int) -> None:
+    """Time a CUDA ``step()`` into ``row``: the first call (kernel selection, lazy init) as ``compile_ms``, then
+    ``warmup`` untimed calls, then ``repeats`` calls each ended by ``torch.cuda.synchronize()`` (the harness's
+    clock: :func:`jaxgrad.benchmarking.time_fn`); ``peak_bytes`` = ``torch.cuda.max_memory_allocated()`` since the
+    process started (never reset). The outputs are dropped as they come (none is kept alive across calls)."""
+    import torch
+
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    row.compile_ms = (time.perf_counter() - t0) * 1e3
+    for _ in range(max(0, warmup)):
+        step()
+    torch.cuda.synchronize()
+    times = np.empty(repeats)
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times[i] = (time.perf_counter() - t0) * 1e3
+    row.median_ms, row.p10_ms = float(np.median(times)), float(np.percentile(times, 10))
+    row.p90_ms, row.min_ms, row.repeats = float(np.percentile(times, 90)), float(times.min()), repeats
+    row.peak_bytes = int(torch.cuda.max_memory_allocated())  # since the process started, never reset
+
+
 def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str = "default") -> bm.Row:
     """transformers ``LlamaDecoderLayer`` + PEFT LoRA on all 7 projections, bf16, SDPA attention (CUDA only)."""
     s = SIZES[sizes]
@@ -357,22 +382,7 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
         grads = torch.autograd.grad(y, [x, *flat], grad_outputs=cot)
         return y, grads
 
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    row.compile_ms = (time.perf_counter() - t0) * 1e3  # first call (kernel selection, lazy init)
-    for _ in range(max(0, warmup)):
-        step()
-    torch.cuda.synchronize()
-    times = np.empty(repeats)
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times[i] = (time.perf_counter() - t0) * 1e3
-    row.median_ms, row.p10_ms = float(np.median(times)), float(np.percentile(times, 10))
-    row.p90_ms, row.min_ms, row.repeats = float(np.percentile(times, 90)), float(times.min()), repeats
-    row.peak_bytes = int(torch.cuda.max_memory_allocated())  # since the process started, never reset
+    time_torch(step, row, warmup=warmup, repeats=repeats)
     floor = bm.floor_ms(flops, block_bytes(s), dtype="bf16", precision="tf32",
                         device_kind=torch.cuda.get_device_name())
     row.floor_ms, row.floor_bound, row.floor_table_row = floor["floor_ms"], floor["bound"], floor["table_row"]
@@ -421,26 +431,29 @@ def floor_lines(sizes: str) -> list[str]:
     return lines
 
 
-def _child_cmd(name: str, sizes: str, repeats: int, warmup: int, precision: str) -> list[str]:
-    return [sys.executable, "-m", "jaxgrad.lora.bench", "--child", name, "--sizes", sizes, "--repeats",
+def _child_cmd(name: str, sizes: str, repeats: int, warmup: int, precision: str,
+               module: str = "jaxgrad.lora.bench") -> list[str]:
+    return [sys.executable, "-m", module, "--child", name, "--sizes", sizes, "--repeats",
             str(repeats), "--warmup", str(warmup), "--precision", precision]
 
 
 def run_in_fresh_process(name: str, sizes: str, *, repeats: int, warmup: int, precision: str = "default",
-                         timeout: float = 300.0) -> bm.Row:
-    """One variant in a child process (``python -m jaxgrad.lora.bench --child NAME``); a failure or a timeout
-    comes back as a row without a time, its notes saying why."""
+                         timeout: float = 300.0, module: str = "jaxgrad.lora.bench", suite: str = "lora",
+                         size_table: dict | None = None) -> bm.Row:
+    """One variant in a child process (``python -m <module> --child NAME``, the module's :func:`child_main`); a
+    failure or a timeout comes back as a row without a time, its notes saying why. ``module``, ``suite`` and
+    ``size_table``: the suite's (default this one's: ``lora``, :data:`SIZES`)."""
     root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if _parent_env:  # the caller's own preallocation setting, not the parent's
         env.pop(_PREALLOCATE, None)
         if _parent_env[_PREALLOCATE] is not None:
             env[_PREALLOCATE] = _parent_env[_PREALLOCATE]
-    s = SIZES[sizes]
-    failed = bm.Row(suite="lora", variant=name, sizes=dict(s), dtype="bf16", precision=precision)
+    s = (SIZES if size_table is None else size_table)[sizes]
+    failed = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision)
     try:
-        proc = subprocess.run(_child_cmd(name, sizes, repeats, warmup, precision), capture_output=True, text=True,
-                              env=env, cwd=str(root), timeout=timeout)
+        proc = subprocess.run(_child_cmd(name, sizes, repeats, warmup, precision, module), capture_output=True,
+                              text=True, env=env, cwd=str(root), timeout=timeout)
     except subprocess.TimeoutExpired:
         failed.notes = f"error: timed out after {timeout:.0f} s"
         return failed
@@ -451,9 +464,47 @@ def run_in_fresh_process(name: str, sizes: str, *, repeats: int, warmup: int, pr
     errors = [ln for ln in tail if ("Error" in ln or "Exception" in ln) and not ln.startswith((" ", "For simplicity"))]
     why = (errors or tail or ["no output"])[-1]
     failed.notes = f"error: child exited {proc.returncode}: {why[:250]}"
-    sys.stderr.write(f"--- lora bench child {name!r} failed (rc {proc.returncode}); stderr tail:\n"
+    sys.stderr.write(f"--- {suite} bench child {name!r} failed (rc {proc.returncode}); stderr tail:\n"
                      + "\n".join(tail[-25:]) + "\n")
     return failed
+
+
+def select_variants(all_names: list[str], variants, suite: str = "lora", known: list[str] | None = None) -> list[str]:
+    """The names selected by ``variants`` (substrings; ``=name`` exact), all of them when ``variants`` is empty."""
+    if not variants:
+        return list(all_names)
+    names = [n for n in all_names if any(n == v[1:] if v.startswith("=") else v in n for v in variants)]
+    if not names:
+        raise ValueError(f"{suite} bench: --variants {variants} selects none of {known or all_names}")
+    return names
+
+
+def run_fresh_suite(names: list[str], sizes: str, precision: str, *, repeats: int, warmup: int, timeout: float,
+                    budget_s: float | None, say, skip_reason=lambda name: None, module: str = "jaxgrad.lora.bench",
+                    suite: str = "lora", size_table: dict | None = None) -> list[bm.Row]:
+    """Run ``names`` one after the other, each in its own process (:func:`run_in_fresh_process`). A variant for
+    which ``skip_reason(name)`` says why it cannot run here gets a row with that note; with ``budget_s`` (for the
+    whole run) a child gets at most what is left, and a variant with less than 15 s left is not started."""
+    s = (SIZES if size_table is None else size_table)[sizes]
+    rows = []
+    t_start = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        left = timeout if budget_s is None else min(timeout, budget_s - (t0 - t_start))
+        why = skip_reason(name)
+        if why:
+            row = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision, notes=why)
+        elif left < 15:
+            row = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision,
+                         notes=f"error: not run: the suite's time budget ({budget_s:.0f} s) is spent")
+        else:
+            row = run_in_fresh_process(name, sizes, repeats=repeats, warmup=warmup, precision=precision,
+                                       timeout=left, module=module, suite=suite, size_table=size_table)
+        say(f"#   {name}: {'-' if row.median_ms is None else f'{row.median_ms:.3f} ms'}, peak "
+            f"{'-' if row.peak_bytes is None else f'{row.peak_bytes / 2**20:.1f} MiB'} "
+            f"({time.perf_counter() - t0:.0f} s){'; ' + row.notes if row.median_ms is None else ''}")
+        rows.append(row)
+    return rows
 
 
 def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants=None,
@@ -465,32 +516,13 @@ def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3
     less than 15 s left is not started and its row says so)."""
     import jax
 
-    names = variant_names(jax.default_backend() == "gpu")
-    if variants:
-        names = [n for n in names if any(n == v[1:] if v.startswith("=") else v in n for v in variants)]
-        if not names:
-            raise ValueError(f"lora bench: --variants {variants} selects none of {variant_names(True)}")
+    names = select_variants(variant_names(jax.default_backend() == "gpu"), variants, known=variant_names(True))
     notes = floor_lines(sizes)
     for line in notes:
         say(f"# {line}")
-    rows = []
-    t_start = time.perf_counter()
-    for name in names:
-        t0 = time.perf_counter()
-        left = timeout if budget_s is None else min(timeout, budget_s - (t0 - t_start))
-        if name == TORCH_VARIANT and torch_missing():
-            row = bm.Row(suite="lora", variant=name, sizes=dict(SIZES[sizes]), dtype="bf16", precision=precision,
-                         notes=torch_missing())
-        elif left < 15:
-            row = bm.Row(suite="lora", variant=name, sizes=dict(SIZES[sizes]), dtype="bf16", precision=precision,
-                         notes=f"error: not run: the suite's time budget ({budget_s:.0f} s) is spent")
-        else:
-            row = run_in_fresh_process(name, sizes, repeats=repeats, warmup=warmup, precision=precision,
-                                       timeout=left)
-        say(f"#   {name}: {'-' if row.median_ms is None else f'{row.median_ms:.3f} ms'}, peak "
-            f"{'-' if row.peak_bytes is None else f'{row.peak_bytes / 2**20:.1f} MiB'} "
-            f"({time.perf_counter() - t0:.0f} s){'; ' + row.notes if row.median_ms is None else ''}")
-        rows.append(row)
+    rows = run_fresh_suite(names, sizes, precision, repeats=repeats, warmup=warmup, timeout=timeout,
+                           budget_s=budget_s, say=say,
+                           skip_reason=lambda name: torch_missing() if name == TORCH_VARIANT else None)
     return rows, notes
 
 
@@ -498,16 +530,18 @@ def is_skipped(row: bm.Row) -> bool:
     return row.median_ms is None and row.notes.startswith("skipped")
 
 
-def _child_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description="one lora benchmark variant (used by scripts/bench.py lora)")
+def child_main(argv: list[str], *, sizes, run_torch: dict, run_jax, description: str) -> int:
+    """A child process's entry: ``--child NAME --sizes ... --repeats N --warmup N --precision P``; runs
+    ``run_torch[NAME]`` or ``run_jax`` (under the matmul precision) and prints the row after :data:`ROW_TAG`."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--child", required=True)
-    p.add_argument("--sizes", choices=sorted(SIZES), required=True)
+    p.add_argument("--sizes", choices=sorted(sizes), required=True)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", choices=["default", "highest"], default="default")
     a = p.parse_args(argv)
-    if a.child == TORCH_VARIANT:
-        row = run_torch_variant(a.sizes, repeats=a.repeats, warmup=a.warmup, precision=a.precision)
+    if a.child in run_torch:
+        row = run_torch[a.child](a.sizes, repeats=a.repeats, warmup=a.warmup, precision=a.precision)
     else:
         import contextlib
 
@@ -515,9 +549,14 @@ def _child_main(argv: list[str]) -> int:
 
         ctx = jax.default_matmul_precision("highest") if a.precision == "highest" else contextlib.nullcontext()
         with ctx:
-            row = run_jax_variant(a.child, a.sizes, repeats=a.repeats, warmup=a.warmup, precision=a.precision)
+            row = run_jax(a.child, a.sizes, repeats=a.repeats, warmup=a.warmup, precision=a.precision)
     print(ROW_TAG + json.dumps(bm._jsonable(row.to_dict())), flush=True)
     return 0
+
+
+def _child_main(argv: list[str]) -> int:
+    return child_main(argv, sizes=SIZES, run_torch={TORCH_VARIANT: run_torch_variant}, run_jax=run_jax_variant,
+                      description="one lora benchmark variant (used by scripts/bench.py lora)")
 
 
 if __name__ == "__main__":

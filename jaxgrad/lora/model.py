@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.lora.block import block, block_reference
+from jaxgrad.lora.block import _block_sdpa, block, block_reference
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
 
@@ -139,12 +139,19 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
       backend: ``"xla"`` (hand-written block VJP), ``"pallas"`` (the same with the block's RMSNorms and NF4 base
         products as Pallas kernels, interpret mode off-GPU; the final norm stays on XLA) or ``"reference"`` (plain
         JAX, ``jax.grad``).
+      attention: ``"xla"`` (the block's own attention; the plain one for ``"reference"``), ``"cudnn"``
+        (``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only; differentiated by ``jax.grad`` with
+        ``"reference"``), or ``"sdpa:<implementation>"``: the ``"cudnn"`` code path with another
+        ``dot_product_attention`` implementation (``"sdpa:xla"`` runs it on the CPU: tests, benchmarks; with
+        ``backend="xla"`` or ``"reference"`` only).
       dtype: activation dtype (default: the embedding's).
       train_base: with ``backend="reference"``, let gradients reach the projection weights (training a base
         model); the custom VJP treats them as frozen.
     """
     lora = {"layers": [{} for _ in range(cfg.num_hidden_layers)]} if lora is None else lora
     _check_model(params, lora, input_ids, cfg, lcfg)
+    if attention.startswith("sdpa:") and backend not in ("xla", "reference"):
+        raise ValueError(f"apply: attention={attention!r} needs backend 'xla' or 'reference', got {backend!r}")
     if train_base and backend != "reference":
         raise ValueError("apply: 'train_base' needs backend='reference' (the custom VJP freezes the projections)")
     emb = params["embed_tokens"]["weight"]
@@ -154,7 +161,12 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
         if backend == "reference":
             def fn(layer, layer_lora, h, key):
-                return block_reference(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, train_base)
+                return block_reference(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, train_base,
+                                       attention=attention)
+        elif attention.startswith("sdpa:"):
+            def fn(layer, layer_lora, h, key):
+                return _block_sdpa(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key,
+                                   implementation=attention.split(":", 1)[1])
         else:
             def fn(layer, layer_lora, h, key):
                 return block(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, backend=backend,
