@@ -111,10 +111,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop taking results after this many seconds and write those that finished (the header "
                          "says how many of --n ran)")
+    ap.add_argument("--indices", nargs="+", type=int, default=None,
+                    help="replay only these runs of --seed's draws (e.g. a false alarm, after a fix)")
     a = ap.parse_args(argv)
     if a.mode == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    cfgs = [draw(i, a.seed, a.mode) for i in range(a.n)]
+    cfgs = [draw(i, a.seed, a.mode) for i in (range(a.n) if a.indices is None else a.indices)]
+    if a.indices is not None:
+        a.n = len(cfgs)
     t0 = time.time()
     results = []
 

@@ -57,3 +57,14 @@ def test_a_false_alarm_sweep_cut_by_its_budget_writes_what_finished(scripts, tmp
     assert fa.main(["--mode", "cpu", "--n", "1", "--budget-s", "0", "--out", str(tmp_path)]) == 0
     txt = next(tmp_path.glob("verify-false-alarms-cpu-*.txt")).read_text()
     assert "0 correct low-precision VJPs (of 1 asked)" in txt and "# total: 0 false alarms in 0 runs" in txt
+
+
+def test_a_false_alarm_sweep_replays_chosen_runs_of_its_seed(scripts, monkeypatch, tmp_path):
+    # --indices: the runs of --seed's draws named, and only those (a false alarm replayed after its fix)
+    fa = scripts[2]
+    ran = []
+    monkeypatch.setattr(fa, "_worker", lambda args: ran.append(args[0]) or dict(args[0], passed=True,
+                                                                                 judged_as="tf32", seconds=0.0))
+    assert fa.main(["--mode", "cpu", "--seed", "18", "--indices", "31", "5", "--out", str(tmp_path)]) == 0
+    assert [c["i"] for c in ran] == [31, 5] and ran[0] == fa.draw(31, 18, "cpu")
+    assert "2 correct low-precision VJPs (of 2 asked)" in next(tmp_path.glob("*.txt")).read_text()
