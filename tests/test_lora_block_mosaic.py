@@ -75,6 +75,16 @@ def test_every_projection_takes_the_kernels_when_lowered_for_a_gpu(monkeypatch):
     assert all(c.split("->")[-1].strip().endswith("tensor<256x16xbf16>)") for c in calls)
 
 
+def test_fp32_master_adapters_take_the_kernels_too(monkeypatch):
+    # PEFT keeps adapters in fp32 on a bf16 model (the lora_model bench does too): the kernels take them rounded to
+    # the activation dtype, forward and dX alike
+    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
+    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
+    frozen, norms, lora, x = _inputs(13, jnp.bfloat16)
+    lora = jax.tree.map(lambda a: a.astype(jnp.float32), lora)
+    assert len(_kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))) == 8
+
+
 def test_without_rank_outputs_the_kernels_return_one_result(monkeypatch):
     # BlockKernels(mosaic_rank=False): the session-12 kernels (bench variant "custom_vjp cudnn mosaic-no-rank"),
     # whose backward recomputes U and G on XLA; the same 8 kernels, each with its one output

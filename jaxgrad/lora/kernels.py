@@ -113,7 +113,8 @@ class BlockKernels:
             return None
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu, supported
 
-        b = b.astype(h.dtype)
+        a, b = a.astype(h.dtype), b.astype(h.dtype)  # fp32 master adapters: operands in the activation dtype,
+        # as the dX kernel takes them and as PEFT's autocast does (a bf16 adapter is unchanged)
         if supported(h.reshape(-1, h.shape[-1]), w, a, b) is not None:
             return None
         if not self.mosaic_rank:
