@@ -39,7 +39,7 @@ def test_flops_and_floor_at_the_benchmark_shape():
 def test_variant_names_and_a_failing_child_comes_back_as_a_row():
     on_gpu = bench.variant_names(True)
     assert on_gpu[:5] == ["custom_vjp cudnn", "jax.grad(reference) cudnn", bench.TORCH_VARIANT,
-                          "custom_vjp+low-memory cudnn", "custom_vjp+unfolded cudnn"] and len(on_gpu) == 15
+                          "custom_vjp+low-memory cudnn", "custom_vjp+unfolded cudnn"] and len(on_gpu) == 16
     assert "custom_vjp cudnn nf4 pallas" in on_gpu and bench._jax_spec("custom_vjp cudnn pallas")[0] == "pallas"
     assert "custom_vjp sdpa(xla)" in bench.variant_names(False)
     assert not any("pallas" in n or "mosaic" in n for n in bench.variant_names(False))  # compiled: GPU only
@@ -47,6 +47,7 @@ def test_variant_names_and_a_failing_child_comes_back_as_a_row():
     assert bench._jax_spec("custom_vjp cudnn mosaic-no-rank") == ("mosaic", "cudnn", False)
     assert bench._jax_spec("custom_vjp sdpa(xla) nf4") == ("xla", "sdpa:xla", True)
     assert bench._jax_spec("jax.grad(reference) cudnn") == ("reference", "cudnn", False)
+    assert "custom_vjp pallas-attn" in on_gpu and bench._jax_spec("custom_vjp pallas-attn") == ("xla", "pallas", False)
     row = bench.run_in_fresh_process("no such variant", "small", repeats=1, warmup=0)
     assert row.median_ms is None and row.notes.startswith("error: child exited 1") and "unknown variant" in row.notes
     with pytest.raises(ValueError, match="selects none"):

@@ -17,6 +17,8 @@ Variants (``VARIANTS``; on a machine without a GPU the cuDNN attention is replac
 * ``custom_vjp+unfolded cudnn``: ``fold_lora_b=False`` (each projection's LoRA term as a separate ``U B^T``
   product added in fp32; the default folds it into the base GEMM, ``[h | sU] [W | B]^T``);
 * ``custom_vjp xla-attn``: the custom VJP with our own XLA attention (materialises ``[B, Hq, T, T]`` scores);
+* ``custom_vjp pallas-attn``: the custom VJP with the flash-attention Pallas kernels
+  (:mod:`jaxgrad.ops.flash_attention`; GPU only, like the other Pallas variants);
 * ``jax.grad(reference) cudnn`` / ``jax.grad(reference) xla-attn``: ``jax.vjp`` of the plain reference block
   (:func:`jaxgrad.lora.block_reference`), with ``jax.nn.dot_product_attention(implementation="cudnn")`` or with
   the plain attention;
@@ -83,6 +85,8 @@ JAX_VARIANTS = {
     "custom_vjp cudnn": ("xla", "cudnn", False),
     "custom_vjp cudnn nf4": ("xla", "cudnn", True),
     "custom_vjp xla-attn": ("xla", "xla", False),
+    # issue #13 item 1: the attention core as the flash-attention Pallas kernels (jaxgrad.ops.flash_attention)
+    "custom_vjp pallas-attn": ("xla", "pallas", False),
     "jax.grad(reference) cudnn": ("reference", "cudnn", False),
     "jax.grad(reference) xla-attn": ("reference", "xla", False),
     # issue #13: the block's Pallas kernels (RMSNorm; NF4 dequantise + matmul) behind the same custom VJP
@@ -112,7 +116,8 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic",
-             "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank")  # most wanted first
+             "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank",
+             "custom_vjp pallas-attn")  # most wanted first (a budget may cut)
 
 
 def variant_names(on_gpu: bool) -> list[str]:

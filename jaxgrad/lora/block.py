@@ -88,6 +88,9 @@ forward (and its recompute) as one Mosaic GPU kernel on Hopper (:mod:`jaxgrad.op
 ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``
 taken once in the backward's recompute, so cuDNN's forward runs once there; nothing is saved for it in the
 forward); a padding mask is then passed as per-row key lengths, so it must be right padding.
+``attention="pallas"`` runs the attention core as the flash-attention Pallas kernels of
+:mod:`jaxgrad.ops.flash_attention` (the same equations and saved ``lse`` as ``"xla"``, no ``T x T`` matrix; its
+forward kernel runs again in the backward's recompute for ``O``).
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.lora.grouped import group_bwd, group_fwd, groupable
 from jaxgrad.lora.kernels import BACKENDS, XLA, BlockKernels
 from jaxgrad.ops.attention import attention_bwd, attention_fwd, attention_out_from_lse, attention_reference
+from jaxgrad.ops.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
 from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_linear_fwd, lora_linear_reference
 from jaxgrad.ops.rmsnorm import rms_norm_reference
 from jaxgrad.ops.rope import apply_rope_reference, rope_bwd_x, rope_cos_sin, rope_fwd
@@ -240,8 +244,12 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
     q = apply_rope_reference(proj(h1, "self_attn", "q_proj").reshape(b, t, hq, d), cos, sin)
     k = apply_rope_reference(proj(h1, "self_attn", "k_proj").reshape(b, t, hkv, d), cos, sin)
     v = proj(h1, "self_attn", "v_proj").reshape(b, t, hkv, d)
-    o = attention_reference(q, k, v, attention_mask) if attention == "xla" else \
-        _cudnn_attention(q, k, v, attention_mask, attention)
+    if attention == "xla":
+        o = attention_reference(q, k, v, attention_mask)
+    elif attention == "pallas":
+        o = flash_attention(q, k, v, attention_mask)  # its own custom VJP under jax.grad
+    else:
+        o = _cudnn_attention(q, k, v, attention_mask, attention)
     x2 = x + proj(o.reshape(b, t, hq * d), "self_attn", "o_proj")
     h2 = rms_norm_reference(x2, params["post_attention_layernorm"]["weight"], eps)
     m = swiglu_reference(proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj"))
@@ -309,7 +317,11 @@ def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, ls
     k = rope_fwd(k.reshape(b, t, hkv, d), cos, sin)
     v = v.reshape(b, t, hkv, d)
     attn_pullback = None
-    if attn != "xla":
+    if attn == "pallas":
+        # the flash-attention kernel: in the backward's recompute it runs again for O (lse is the saved one)
+        o, lse_new = flash_attention_fwd(q, k, v, attention_mask, interpret=kern.interpret)
+        lse = lse_new if lse is None else lse
+    elif attn != "xla":
         # one cuDNN forward: its pullback (cuDNN's saved output and softmax statistics) serves the backward, which
         # used to run the forward again inside jax.vjp (session 10's profile: 0.31 ms of 7.05)
         o, attn_pullback = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn), q, k, v)
@@ -410,7 +422,11 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     act.update(_recompute_attention(cfg, attn, params, x_late, positions, attention_mask, r1, lse, projs, kern))
     # residual 1: x2 = x + o_proj(attn)
     do = projs_bwd(act["o2"], O_PROJ, [dx2]).reshape(b, t, hq, d)
-    if attn != "xla":
+    if attn == "pallas":
+        # the same equations as attention_bwd in Pallas kernels (D = rowsum(P dP) from the fp32 P, in the dQ kernel)
+        dqr, dkr, dv = flash_attention_bwd(act["q"], act["k"], act["v"], lse, do, attention_mask,
+                                           interpret=kern.interpret)
+    elif attn != "xla":
         dqr, dkr, dv = act["attn_pullback"](do.astype(dt))
     else:
         # dS = P (dP - rowsum(P dP)), dQ = c dS K, dK = c sum_g dS^T Q, dV = sum_g P^T dO
@@ -455,9 +471,10 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         as Pallas kernels, :mod:`jaxgrad.lora.kernels`), ``"mosaic"`` (the same VJP with the dense projections'
         forward as a Mosaic GPU kernel where a call qualifies, else XLA) or ``"reference"``
         (:func:`block_reference`, for ``jax.grad``).
-      attention: ``"xla"`` (our attention VJP; the plain attention for ``"reference"``) or ``"cudnn"``
-        (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``).
-      interpret: ``backend="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a
+      attention: ``"xla"`` (our attention VJP; the plain attention for ``"reference"``), ``"cudnn"``
+        (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``) or
+        ``"pallas"`` (:mod:`jaxgrad.ops.flash_attention`'s kernels, any backend; interpret mode off-GPU).
+      interpret: ``backend="pallas"`` or ``attention="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a
         GPU, as everywhere in :mod:`jaxgrad.pallas_backend`; ``True`` forces it, e.g. on a GPU machine's CPU).
       group_projections: the custom VJP runs the projections that share an input as one GEMM each with the LoRA
         ``A`` rows folded in (module docstring, "Grouped projections"); off by default (measured 1% faster at
@@ -473,16 +490,17 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
     if backend not in BACKENDS:
         raise ValueError(f"block: 'backend' must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
-    if attention not in ("xla", "cudnn"):
-        raise ValueError(f"block: 'attention' must be 'xla' or 'cudnn', got {attention!r}")
+    if attention not in ("xla", "cudnn", "pallas"):
+        raise ValueError(f"block: 'attention' must be 'xla', 'cudnn' or 'pallas', got {attention!r}")
     if attention == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError("block: attention='cudnn' needs a GPU (jax.default_backend() is "
                          f"{jax.default_backend()!r}); use attention='xla'")
     if backend == "reference":
         return block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key,
                                attention=attention)
-    # interpret only matters to the kernels: the xla backend ignores it (and gets one trace whatever it is)
-    kern = BlockKernels(backend, None if interpret is None or backend != "pallas" else bool(interpret),
+    # interpret only matters to the kernels: the xla backend without Pallas attention ignores it (one trace)
+    kernels = backend == "pallas" or attention == "pallas"
+    kern = BlockKernels(backend, None if interpret is None or not kernels else bool(interpret),
                         bool(group_projections), bool(low_memory), bool(fold_lora_b))
     return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern)
 
