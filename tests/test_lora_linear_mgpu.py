@@ -150,26 +150,31 @@ def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk):
     assert rms <= 1.5 * rms_xla, (rms, rms_xla)
 
 
+def _rank_bound(lhs, rhs_t, s):
+    """|fl(s L R^T) - fl'(s L R^T)| for two bf16 roundings of the same product accumulated in fp32 in two orders:
+    one bf16 rounding each (u |s L R^T| apiece) and both accumulations' worst case (2 gamma_K s |L| |R|^T)."""
+    lhs, rhs_t = np.asarray(lhs, np.float64), np.asarray(rhs_t, np.float64)
+    exact = s * lhs @ rhs_t.T
+    return exact, 2 * U_BF16 * np.abs(exact) + 2 * lhs.shape[1] * U_F32 * s * np.abs(lhs) @ np.abs(rhs_t).T
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mkn", [(768, 320, 384), (8192, 2048, 1024)])
 def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn):
-    # sU = s X A^T and sG = s dY B as the epilogues used them: equal to XLA's one rounding of the fp32 product up to
-    # the accumulation order (one bf16 ulp at most where the fp32 sums straddle a rounding boundary), and the main
-    # result unchanged by asking for them
+    # sU = s X A^T and sG = s dY B as the epilogues used them: within two roundings of the exact product (every row
+    # block written, none shifted), and the main result unchanged by asking for them
     m, k, n = mkn
     x, w, a, b = _operands(sum(mkn) + 1, m, k, n, 16)
     y, su = lora_linear_fwd_mgpu(x, w, a, b, SCALE, return_su=True)
     assert su.shape == (m, 16) and su.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(y), np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE)))
-    su_xla = (SCALE * jnp.matmul(x, a.T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
-    su64, ref64 = np.asarray(su, np.float64), np.asarray(su_xla, np.float64)
-    assert np.max(np.abs(su64 - ref64) / np.maximum(np.abs(ref64), 1e-30)) <= 2.0**-7  # <= 1 ulp of bf16
-    assert np.mean(su64 == ref64) > 0.9  # and nearly all bit-identical: really the same product, every row block
+    exact, bound = _rank_bound(x, a, SCALE)
+    worst = np.max(np.abs(np.asarray(su, np.float64) - exact) / bound)
+    assert worst <= 1.0, f"sU: worst entry {worst:.3g} of its bound"
     dy = jax.random.normal(jax.random.key(m + n), (m, n), jnp.float32).astype(jnp.bfloat16)
     dx, sg = lora_linear_dx_mgpu(dy, w, a, b, SCALE, return_sg=True)
     assert sg.shape == (m, 16) and dx.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(lora_linear_dx_mgpu(dy, w, a, b, SCALE)))
-    sg_xla = (SCALE * jnp.matmul(dy, b, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
-    sg64, ref64 = np.asarray(sg, np.float64), np.asarray(sg_xla, np.float64)
-    assert np.max(np.abs(sg64 - ref64) / np.maximum(np.abs(ref64), 1e-30)) <= 2.0**-7
-    assert np.mean(sg64 == ref64) > 0.9
+    exact, bound = _rank_bound(dy, np.asarray(b, np.float64).T, SCALE)
+    worst = np.max(np.abs(np.asarray(sg, np.float64) - exact) / bound)
+    assert worst <= 1.0, f"sG: worst entry {worst:.3g} of its bound"
