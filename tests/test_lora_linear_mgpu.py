@@ -159,7 +159,7 @@ def _rank_bound(lhs, rhs_t, s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mkn", [(768, 320, 384), (8192, 2048, 1024)])
+@pytest.mark.parametrize("mkn", [(768, 384, 640), (8192, 2048, 1024)])  # shapes both kernels take
 def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn):
     # sU = s X A^T and sG = s dY B as the epilogues used them: within two roundings of the exact product (every row
     # block written, none shifted), and the main result unchanged by asking for them

@@ -219,3 +219,55 @@ def test_sign_certainty_passes_through_data_movement_with_a_list_result(movement
 
         m = magnitudes(attn, s, kink_bound=lambda n: 0.5)
         assert "gt" in m.rounded_comparisons and m.kink_counts == [0]
+
+
+def _trend_reports(rel_errs, ref_rel_errs, flip_free, kink_spread):
+    """Fake per-size reports of one tf32 leaf 'x' (what audit's size trend reads of them)."""
+    from types import SimpleNamespace as NS
+
+    from jaxgrad.verify.stats import LeafStatistics
+
+    reports = []
+    for rel, ref, ff in zip(rel_errs, ref_rel_errs, flip_free):
+        st = LeafStatistics(n=252, replicas=32, alpha=1e-4, rho=1.0, norm_ratio=1.0, norm_limit=4.4, dof=40.0,
+                            beta=0.0, beta_sigma=1e-4, beta_limit=1e-3, entry_z=1.0, entry_limit=7.0, entry_index=(0,),
+                            slice_ratio=0.1, slice_where="", failed=(), kink_spread=kink_spread, flip_free_ratio=ff)
+        leaf = NS(name="x", run="tf32", rel_err=rel, ref_rel_err=ref, stats=st)
+        reports.append(NS(precision=NS(precision="tf32"), leaves=[leaf], leaf=lambda name, run, lf=leaf: lf))
+    return reports
+
+
+def test_the_size_trend_behind_kinks_judges_what_no_flip_explains():
+    # conv2d[pallas] on the H100 (session 13): dx's normwise error over the replicas' read 0.25 at the small size (the
+    # replicas flipped ReLUs, fn did not) and 1.8 at the larger (fn flipped more): a 7.2x "growth" made of whole-term
+    # flips, not of rounding. Behind kinks the trend compares the part no flip explains
+    from jaxgrad.verify.audit import _size_trend
+
+    sizes = [(1, 7, 9), (2, 13, 10)]
+    (check,) = _size_trend(sizes, _trend_reports([3.45e-4, 2.35e-2], [1.38e-3, 1.3e-2], [0.9, 1.1], 0.3))
+    assert check.passed, check.detail
+    # the same numbers without kinks are judged on the plain normwise ratio, as before: that growth fails
+    (plain,) = _size_trend(sizes, _trend_reports([3.45e-4, 2.35e-2], [1.38e-3, 1.3e-2], [0.9, 1.1], 0.0))
+    assert not plain.passed and "grows faster than rounding" in plain.detail
+    # and behind kinks an error beyond the flips that grows 10x still fails
+    (grows,) = _size_trend(sizes, _trend_reports([3.45e-4, 2.35e-2], [1.38e-3, 1.3e-2], [0.9, 9.0], 0.3))
+    assert not grows.passed, grows.detail
+
+
+def test_the_flip_free_ratio_is_the_plain_ratio_without_kinks_and_drops_the_flips_with_them():
+    from jaxgrad.verify.stats import leaf_statistics
+
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((12, 9))
+    r = 1e-4 * rng.standard_normal((32, 12, 9))
+    e = 1e-4 * rng.standard_normal((12, 9))
+    st = leaf_statistics(e, r, g, "tf32")
+    assert st.flip_free_ratio == pytest.approx(np.linalg.norm(e) / np.sqrt(np.mean(np.sum(r**2, axis=(1, 2)))))
+    # fn flips three masks the replicas did not: whole terms of 1e-2 at entries whose jump K allows them
+    kink = np.zeros_like(g)
+    kink[[0, 3, 7], [1, 4, 8]] = 2e-2
+    e_flip = e.copy()
+    e_flip[[0, 3, 7], [1, 4, 8]] += 1e-2
+    st_flip = leaf_statistics(e_flip, r, g, "tf32", kink=kink)
+    assert st_flip.flip_free_ratio < 1.5 * st.flip_free_ratio  # the flips are not counted as rounding
+    assert np.linalg.norm(e_flip) / np.linalg.norm(e) > 10  # though they dominate the plain normwise error

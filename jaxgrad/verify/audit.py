@@ -64,8 +64,17 @@ TREND_DRIFT = 2.0  # a correct kernel's error relative to the modelled rounding 
 TREND_ALPHA = 1e-4  # false-alarm rate of one leaf's trend check under the model
 
 
+def _trend_ratio(lf) -> float:
+    """``q`` of one leaf at one size: its normwise error over the modelled rounding's, without the flips behind kinks
+    where the leaf has any."""
+    if lf.stats.kink_spread > 0 and math.isfinite(lf.stats.flip_free_ratio):
+        return lf.stats.flip_free_ratio
+    return lf.rel_err / lf.ref_rel_err
+
+
 def _size_trend(sizes, reports) -> list[Check]:
-    """Per leaf: the normwise error over the modelled rounding, ``q_s = rel_err / model_rel_err``, must not grow from
+    """Per leaf: the normwise error over the modelled rounding, ``q_s = rel_err / model_rel_err`` (behind kinks the
+    part no branch flip explains, :func:`_trend_ratio`), must not grow from
     the smallest to the largest size by more than ``TREND_DRIFT`` times the band of two independent ratio estimates
     (``sqrt(F^-1(d_last, K d_last)) * sqrt(F^-1(K d_first, d_first))`` at ``TREND_ALPHA / 2`` each)."""
     from scipy import stats as sps
@@ -80,8 +89,11 @@ def _size_trend(sizes, reports) -> list[Check]:
                                                                "rounding)"))
             continue
         # a run that rounds far less than modelled at one size (q << 1: the model rounds a sum the kernel keeps in
-        # f32) is no baseline for growth: q is floored at 1 / IMPLEMENTATION_FACTOR
-        q = [max(lf.rel_err / lf.ref_rel_err, 1 / IMPLEMENTATION_FACTOR) for lf in leaves]
+        # f32) is no baseline for growth: q is floored at 1 / IMPLEMENTATION_FACTOR. Behind kinks the normwise errors
+        # hold branch flips -- whole terms, as many as the rounding happens to flip, in fn and in the replicas alike
+        # -- so q is the part no flip explains (LeafStatistics.flip_free_ratio, as the norm test judges it). Found on
+        # the H100 (session 13): conv2d[pallas]'s dx read 0.25 then 1.8 with flips in, a 7.2x "growth" (limit 5.9)
+        q = [max(_trend_ratio(lf), 1 / IMPLEMENTATION_FACTOR) for lf in leaves]
         first, last = leaves[0].stats, leaves[-1].stats
         band = math.sqrt(float(sps.f.isf(TREND_ALPHA / 2, last.dof, last.replicas * last.dof))
                          * float(sps.f.isf(TREND_ALPHA / 2, first.replicas * first.dof, first.dof)))

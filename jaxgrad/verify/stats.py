@@ -172,6 +172,10 @@ class LeafStatistics:
     failed: tuple[str, ...]
     # ||K|| / ||g*||: the branch flips and saturated exps the rounding may cause, relative to the leaf
     kink_spread: float = 0.0
+    # ||shrink(e, K)|| / RMS_k ||shrink(r_k, K)||: the error no branch flip explains over the replicas' same part (not
+    # projected: a scale error counts); ||e|| / RMS ||r_k|| without kinks. The audit's size trend compares it across
+    # sizes (a flip is a whole term, not rounding that grows with the problem)
+    flip_free_ratio: float = math.nan
 
     @property
     def passed(self) -> bool:
@@ -291,6 +295,7 @@ class LeafNull:
     v0: np.ndarray  # the same without the kink jumps: the rounding the replicas show (weights of the scale test)
     gg: float  # ||g*||^2
     den: float  # mean ||r_k,perp||^2 (replicas shrunk by the kink jumps)
+    den_full: float  # mean ||r_k||^2, shrunk the same way, not projected (the flip-free ratio's yardstick)
     dof: float
     norm_limit: float
     beta_spread: float  # the replicas' RMS beta_k (each gated by the other K - 1); times rho, part of sigma_beta
@@ -324,6 +329,10 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
     r_n = r if kink is None else _shrink(r, kink)
     r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r_n])
     norms = np.sum(r_perp * r_perp, axis=1)
+    full = np.sum(r_n.reshape(k, -1) ** 2, axis=1)
+    if kink is not None and np.any(full == 0):  # the same yardstick rule as the norm's, below
+        full = np.sum(r.reshape(k, -1) ** 2, axis=1)
+    den_full = float(np.mean(full))
     if kink is not None and np.any(norms == 0):
         # the shrink took a replica's whole error (every entry within its jump: a small leaf behind kinks, a conv's
         # bias). Those replicas no longer sample the rounding that e's residual carries where fn flips and they did
@@ -405,7 +414,7 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
             lm = float(np.median(np.median(t_rep[:, live] / m_s[live], axis=1)))
             if lm > 0:  # 0 where most slices round in only a few replicas (exact sums): no level to measure
                 slice_means[ax], slice_level_median[ax] = m_s, lm
-    return LeafNull(v=v, v0=v0, gg=gg, den=den, dof=dof, norm_limit=norm_limit, beta_spread=beta_spread, beta_q=q,
+    return LeafNull(v=v, v0=v0, gg=gg, den=den, den_full=den_full, dof=dof, norm_limit=norm_limit, beta_spread=beta_spread, beta_q=q,
                     rho_median=rho_median,
                     beta_t=float(sps.t.isf(a4 / 2, k)), entry_limit=math.sqrt(float(sps.f.isf(a4 / n, 1, k))),
                     slice_limits=slice_limits, slice_means=slice_means, slice_level_median=slice_level_median,
@@ -462,6 +471,8 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
     e_perp = _perp(e_n.ravel(), g.ravel(), gg)
     num = float(np.vdot(e_perp, e_perp))
     norm_ratio = math.sqrt(num / nl.den) if nl.den > 0 else (0.0 if num == 0 else math.inf)
+    num_full = float(np.vdot(e_n, e_n))
+    flip_free = math.sqrt(num_full / nl.den_full) if nl.den_full > 0 else (0.0 if num_full == 0 else math.inf)
 
     # 2. scale / sign bias
     if gg > 0:
@@ -503,4 +514,5 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
     return LeafStatistics(n=int(e.size), replicas=k, alpha=alpha, rho=rho, norm_ratio=norm_ratio,
                           norm_limit=norm_limit, dof=dof, beta=beta, beta_sigma=beta_sigma, beta_limit=beta_limit,
                           entry_z=entry_z, entry_limit=entry_limit, entry_index=entry_index,
-                          slice_ratio=slice_ratio, slice_where=slice_where, failed=failed, kink_spread=kink_spread)
+                          slice_ratio=slice_ratio, slice_where=slice_where, failed=failed, kink_spread=kink_spread,
+                          flip_free_ratio=flip_free)
