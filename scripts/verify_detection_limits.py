@@ -233,6 +233,8 @@ def main(argv=None) -> int:
         lines.append(f"# false alarms: {total_fa} in {total_runs}")
         stem.with_suffix(".txt").write_text("\n".join(lines) + "\n")
         print(f"wrote {stem.with_suffix('.txt')}")
+        if partial is not None:
+            partial.unlink(missing_ok=True)  # the finished rows are in the files just written
     return 0
 
 

@@ -33,6 +33,7 @@ def test_a_detection_row_carries_its_limit_and_the_floor_under_it(scripts, tmp_p
     assert 0 < row["ideal_limit"] <= row["smallest_scale_caught_in_all"] <= 10 * row["ideal_limit"]
     assert 0 < row["sigma_cramer_rao_median"] <= row["sigma_beta_median"]
     assert path.with_suffix(".txt").read_text().startswith("# device: ")
+    assert not (tmp_path / "verify-detection.partial.jsonl").exists()  # a finished sweep leaves only its results
 
 
 def test_the_cpu_attention_cap_is_a_flag(scripts, capsys):
