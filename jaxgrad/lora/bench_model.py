@@ -34,8 +34,8 @@ in each row's notes agree across variants up to bf16 rounding: a check that the 
 
 Timing (per variant, in its own process): JAX: the compiled step timed by :func:`jaxgrad.benchmarking.time_fn`
 (median of ``repeats`` calls after ``warmup``), each call from the same initial state (no donation: the adapters and
-their Adam moments, ~29 MiB at ``full``, exist twice); torch: :func:`jaxgrad.lora.bench.time_torch` (the training
-runs on: every call is one more step). **tokens/s** = ``batch * seq / median step time``. Peak memory: the device's
+their Adam moments, ~29 MiB at ``full``, exist twice); torch: :func:`jaxgrad.lora.bench_harness.time_torch` (the
+training runs on: every call is one more step). **tokens/s** = ``batch * seq / median step time``. Peak memory: the device's
 high-water mark since the process started, weights included (JAX ``peak_bytes_in_use``, torch
 ``max_memory_allocated``).
 
@@ -70,6 +70,7 @@ import numpy as np
 
 from jaxgrad import benchmarking as bm
 from jaxgrad.lora import bench
+from jaxgrad.lora import bench_harness as harness
 
 SUITE = "lora_model"
 SIZES = {
@@ -310,7 +311,7 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
     """transformers ``LlamaForCausalLM`` + ``peft.get_peft_model`` + fused AdamW, bf16 base, SDPA (CUDA only)."""
     s = SIZES[sizes]
     row = _row(TORCH_VARIANT, s, precision)
-    why = bench.torch_missing()
+    why = harness.torch_missing()
     if why:
         row.notes = why
         return row
@@ -381,7 +382,7 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
         if len(losses) < 3:
             losses.append(out.loss.detach())
 
-    bench.time_torch(step, row, warmup=max(warmup, 2), repeats=repeats)  # the first 3 calls give the 3 losses
+    harness.time_torch(step, row, warmup=max(warmup, 2), repeats=repeats)  # the first 3 calls give the 3 losses
     extra = [f"fresh process; torch {torch.__version__}, transformers {transformers.__version__}, peft "
              f"{peft.__version__}, attn sdpa, adapters fp32, AdamW {fused}, first call {row.compile_ms:.0f} ms"]
     return _finish(row, s, [float(v) for v in losses], extra, device_kind=torch.cuda.get_device_name())
@@ -391,20 +392,20 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
 def suite_lora_model(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants=None,
                      timeout: float = 300.0, budget_s: float | None = None,
                      say=print) -> tuple[list[bm.Row], list[str]]:
-    """Every variant in its own process (:func:`jaxgrad.lora.bench.run_fresh_suite`). Returns ``(rows, notes)``:
-    the FLOP / floor lines and, after the run, one ``tokens/s`` line per variant that ran."""
+    """Every variant in its own process (:func:`jaxgrad.lora.bench_harness.run_fresh_suite`). Returns ``(rows,
+    notes)``: the FLOP / floor lines and, after the run, one ``tokens/s`` line per variant that ran."""
     import jax
 
     if sizes not in SIZES:
         raise ValueError(f"{SUITE} bench: --sizes must be one of {sorted(SIZES)}, got {sizes!r}")
-    names = bench.select_variants(variant_names(jax.default_backend() == "gpu"), variants, SUITE,
-                                  variant_names(True))
+    names = harness.select_variants(variant_names(jax.default_backend() == "gpu"), variants, SUITE,
+                                    variant_names(True))
     notes = floor_lines(sizes)
     for line in notes:
         say(f"# {line}")
-    rows = bench.run_fresh_suite(names, sizes, precision, repeats=repeats, warmup=warmup, timeout=timeout,
-                                 budget_s=budget_s, say=say, module=MODULE, suite=SUITE, size_table=SIZES,
-                                 skip_reason=lambda n: bench.torch_missing() if n == TORCH_VARIANT else None)
+    rows = harness.run_fresh_suite(names, sizes, precision, repeats=repeats, warmup=warmup, timeout=timeout,
+                                   budget_s=budget_s, say=say, module=MODULE, suite=SUITE, size_table=SIZES,
+                                   skip_reason=lambda n: harness.torch_missing() if n == TORCH_VARIANT else None)
     for r in rows:
         if r.median_ms is not None:
             notes.append(f"{r.variant}: {tokens_per_s(SIZES[sizes], r.median_ms):,.0f} tokens/s "
@@ -414,6 +415,6 @@ def suite_lora_model(sizes: str, precision: str, *, repeats: int = 20, warmup: i
 
 
 if __name__ == "__main__":
-    sys.exit(bench.child_main(sys.argv[1:], sizes=SIZES, run_torch={TORCH_VARIANT: run_torch_variant},
-                              run_jax=run_jax_variant,
-                              description="one lora_model benchmark variant (used by scripts/bench.py lora_model)"))
+    sys.exit(harness.child_main(sys.argv[1:], sizes=SIZES, run_torch={TORCH_VARIANT: run_torch_variant},
+                                run_jax=run_jax_variant,
+                                description="one lora_model benchmark variant (used by scripts/bench.py lora_model)"))

@@ -1,0 +1,168 @@
+r"""The fresh-process harness of the LoRA benchmark suites (``lora``: :mod:`jaxgrad.lora.bench`; ``lora_model``:
+:mod:`jaxgrad.lora.bench_model`): each variant runs in its own child process (``python -m <suite module> --child
+NAME``), so that the device's peak memory it reports is its own; the child prints its row after :data:`ROW_TAG` and
+the parent collects it, or a row saying why there is none (a crash, a timeout, a spent budget, a missing library).
+Also the torch side's timing and what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jaxgrad import benchmarking as bm
+
+ROW_TAG = "LORA_BENCH_ROW "
+
+
+def torch_missing() -> str | None:
+    """Why the torch variant cannot run here (None if it can, as far as imports go)."""
+    missing = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
+    return f"skipped: {', '.join(missing)} not installed" if missing else None
+
+
+def time_torch(step, row: bm.Row, *, warmup: int, repeats: int) -> None:
+    """Time a CUDA ``step()`` into ``row``: the first call (kernel selection, lazy init) as ``compile_ms``, then
+    ``warmup`` untimed calls, then ``repeats`` calls each ended by ``torch.cuda.synchronize()`` (the harness's
+    clock: :func:`jaxgrad.benchmarking.time_fn`); ``peak_bytes`` = ``torch.cuda.max_memory_allocated()`` since the
+    process started (never reset). The outputs are dropped as they come (none is kept alive across calls)."""
+    import torch
+
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    row.compile_ms = (time.perf_counter() - t0) * 1e3
+    for _ in range(max(0, warmup)):
+        step()
+    torch.cuda.synchronize()
+    times = np.empty(repeats)
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times[i] = (time.perf_counter() - t0) * 1e3
+    row.median_ms, row.p10_ms = float(np.median(times)), float(np.percentile(times, 10))
+    row.p90_ms, row.min_ms, row.repeats = float(np.percentile(times, 90)), float(times.min()), repeats
+    row.peak_bytes = int(torch.cuda.max_memory_allocated())  # since the process started, never reset
+
+
+_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+_parent_env: dict[str, str | None] = {}
+
+
+def parent_setup() -> None:
+    """Call in the parent before JAX starts its backend: the parent itself must not take 75 % of the GPU's memory
+    (JAX's default preallocation), which the children measure and need. The children get the caller's setting."""
+    if not _parent_env:
+        _parent_env[_PREALLOCATE] = os.environ.get(_PREALLOCATE)
+        os.environ[_PREALLOCATE] = "false"
+
+
+def _child_cmd(name: str, sizes: str, repeats: int, warmup: int, precision: str, module: str) -> list[str]:
+    return [sys.executable, "-m", module, "--child", name, "--sizes", sizes, "--repeats",
+            str(repeats), "--warmup", str(warmup), "--precision", precision]
+
+
+def run_in_fresh_process(name: str, sizes: str, *, repeats: int, warmup: int, precision: str = "default",
+                         timeout: float = 300.0, module: str, suite: str, size_table: dict) -> bm.Row:
+    """One variant in a child process (``python -m <module> --child NAME``, the module's :func:`child_main`); a
+    failure or a timeout comes back as a row without a time, its notes saying why. ``module``, ``suite`` and
+    ``size_table``: the suite's."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if _parent_env:  # the caller's own preallocation setting, not the parent's
+        env.pop(_PREALLOCATE, None)
+        if _parent_env[_PREALLOCATE] is not None:
+            env[_PREALLOCATE] = _parent_env[_PREALLOCATE]
+    s = size_table[sizes]
+    failed = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision)
+    try:
+        proc = subprocess.run(_child_cmd(name, sizes, repeats, warmup, precision, module), capture_output=True,
+                              text=True, env=env, cwd=str(root), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        failed.notes = f"error: timed out after {timeout:.0f} s"
+        return failed
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(ROW_TAG):
+            return bm.Row(**json.loads(line[len(ROW_TAG):]))
+    tail = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+    errors = [ln for ln in tail if ("Error" in ln or "Exception" in ln) and not ln.startswith((" ", "For simplicity"))]
+    why = (errors or tail or ["no output"])[-1]
+    failed.notes = f"error: child exited {proc.returncode}: {why[:250]}"
+    sys.stderr.write(f"--- {suite} bench child {name!r} failed (rc {proc.returncode}); stderr tail:\n"
+                     + "\n".join(tail[-25:]) + "\n")
+    return failed
+
+
+def select_variants(all_names: list[str], variants, suite: str, known: list[str] | None = None) -> list[str]:
+    """The names selected by ``variants`` (substrings; ``=name`` exact), all of them when ``variants`` is empty."""
+    if not variants:
+        return list(all_names)
+    names = [n for n in all_names if any(n == v[1:] if v.startswith("=") else v in n for v in variants)]
+    if not names:
+        raise ValueError(f"{suite} bench: --variants {variants} selects none of {known or all_names}")
+    return names
+
+
+def run_fresh_suite(names: list[str], sizes: str, precision: str, *, repeats: int, warmup: int, timeout: float,
+                    budget_s: float | None, say, module: str, suite: str, size_table: dict,
+                    skip_reason=lambda name: None) -> list[bm.Row]:
+    """Run ``names`` one after the other, each in its own process (:func:`run_in_fresh_process`). A variant for
+    which ``skip_reason(name)`` says why it cannot run here gets a row with that note; with ``budget_s`` (for the
+    whole run) a child gets at most what is left, and a variant with less than 15 s left is not started."""
+    s = size_table[sizes]
+    rows = []
+    t_start = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        left = timeout if budget_s is None else min(timeout, budget_s - (t0 - t_start))
+        why = skip_reason(name)
+        if why:
+            row = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision, notes=why)
+        elif left < 15:
+            row = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision,
+                         notes=f"error: not run: the suite's time budget ({budget_s:.0f} s) is spent")
+        else:
+            row = run_in_fresh_process(name, sizes, repeats=repeats, warmup=warmup, precision=precision,
+                                       timeout=left, module=module, suite=suite, size_table=size_table)
+        say(f"#   {name}: {'-' if row.median_ms is None else f'{row.median_ms:.3f} ms'}, peak "
+            f"{'-' if row.peak_bytes is None else f'{row.peak_bytes / 2**20:.1f} MiB'} "
+            f"({time.perf_counter() - t0:.0f} s){'; ' + row.notes if row.median_ms is None else ''}")
+        rows.append(row)
+    return rows
+
+
+def is_skipped(row: bm.Row) -> bool:
+    return row.median_ms is None and row.notes.startswith("skipped")
+
+
+def child_main(argv: list[str], *, sizes, run_torch: dict, run_jax, description: str) -> int:
+    """A child process's entry: ``--child NAME --sizes ... --repeats N --warmup N --precision P``; runs
+    ``run_torch[NAME]`` or ``run_jax`` (under the matmul precision) and prints the row after :data:`ROW_TAG`."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--child", required=True)
+    p.add_argument("--sizes", choices=sorted(sizes), required=True)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--precision", choices=["default", "highest"], default="default")
+    a = p.parse_args(argv)
+    if a.child in run_torch:
+        row = run_torch[a.child](a.sizes, repeats=a.repeats, warmup=a.warmup, precision=a.precision)
+    else:
+        import contextlib
+
+        import jax
+
+        ctx = jax.default_matmul_precision("highest") if a.precision == "highest" else contextlib.nullcontext()
+        with ctx:
+            row = run_jax(a.child, a.sizes, repeats=a.repeats, warmup=a.warmup, precision=a.precision)
+    print(ROW_TAG + json.dumps(bm._jsonable(row.to_dict())), flush=True)
+    return 0
