@@ -57,21 +57,14 @@ the backward (one extra forward, +0.84 TFLOP of work not counted in the floor).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import os
-import pathlib
-import subprocess
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 from jaxgrad import benchmarking as bm
-from jaxgrad.lora.bench_harness import (ROW_TAG, child_main, is_skipped, parent_setup, run_fresh_suite,  # noqa: F401
-                                        select_variants, time_torch, torch_missing)
+from jaxgrad.lora.bench_harness import (ROW_TAG, child_main, compile_and_time, is_skipped,  # noqa: F401
+                                        parent_setup, run_fresh_suite, select_variants, time_torch, torch_missing)
 from jaxgrad.lora.bench_harness import run_in_fresh_process as _run_in_fresh_process
 
 SIZES = {
@@ -260,18 +253,8 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
                  bytes_moved=block_bytes(s), floor_ms=floor["floor_ms"], floor_bound=floor["bound"],
                  floor_table_row=floor["table_row"])
     notes = [f"fresh process; attention={attention}" + (", NF4 base (blocksize 64)" if nf4 else "")]
-    t0 = time.perf_counter()
     args = (params, lora, x, cot)
-    compiled = bm.compile_fn(fwd_bwd, *args)
-    row.compile_ms = (time.perf_counter() - t0) * 1e3
-    mem = bm.compiled_memory(compiled)
-    row.argument_bytes, row.output_bytes = mem["argument_bytes"], mem["output_bytes"]
-    row.temp_bytes, row.compiled_bytes = mem["temp_bytes"], mem["total_bytes"]
-    peak_compile = bm.device_peak_bytes()
-    timing = bm.time_fn(compiled, *args, warmup=warmup, repeats=repeats)
-    row.median_ms, row.p10_ms, row.p90_ms = timing["median_ms"], timing["p10_ms"], timing["p90_ms"]
-    row.min_ms, row.repeats = timing["min_ms"], timing["repeats"]
-    row.peak_bytes = bm.device_peak_bytes()
+    compiled, peak_compile = compile_and_time(row, fwd_bwd, args, warmup=warmup, repeats=repeats)
     if row.floor_ms is not None and row.median_ms:
         row.achieved_fraction = row.floor_ms / row.median_ms
     y, dl, dx = compiled(*args)

@@ -23,6 +23,24 @@ from jaxgrad import benchmarking as bm
 ROW_TAG = "LORA_BENCH_ROW "
 
 
+def compile_and_time(row: bm.Row, fn, args: tuple, *, warmup: int, repeats: int):
+    """Compile ``fn`` at ``args`` and time it into ``row`` (compile time, the compiled program's memory, median /
+    p10 / p90 / min of ``repeats`` calls after ``warmup``, the device's peak bytes since the process started).
+    Returns ``(compiled, peak_after_compile)``: the executable, and the peak before the first timed call."""
+    t0 = time.perf_counter()
+    compiled = bm.compile_fn(fn, *args)
+    row.compile_ms = (time.perf_counter() - t0) * 1e3
+    mem = bm.compiled_memory(compiled)
+    row.argument_bytes, row.output_bytes = mem["argument_bytes"], mem["output_bytes"]
+    row.temp_bytes, row.compiled_bytes = mem["temp_bytes"], mem["total_bytes"]
+    peak_compile = bm.device_peak_bytes()
+    timing = bm.time_fn(compiled, *args, warmup=warmup, repeats=repeats)
+    row.median_ms, row.p10_ms, row.p90_ms = timing["median_ms"], timing["p10_ms"], timing["p90_ms"]
+    row.min_ms, row.repeats = timing["min_ms"], timing["repeats"]
+    row.peak_bytes = bm.device_peak_bytes()
+    return compiled, peak_compile
+
+
 def torch_missing() -> str | None:
     """Why the torch variant cannot run here (None if it can, as far as imports go)."""
     missing = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]

@@ -64,7 +64,6 @@ at 790 TFLOP/s. Our custom VJP also recomputes each block's forward in the backw
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 
@@ -265,17 +264,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     step = make_train_step(cfg, lcfg, opt, backend=backend, attention=attention)
     row = _row(name, s, precision)
     args = (lora, opt_state, params, ids, ids, n_items)
-    t0 = time.perf_counter()
-    compiled = bm.compile_fn(step, *args)
-    row.compile_ms = (time.perf_counter() - t0) * 1e3
-    mem = bm.compiled_memory(compiled)
-    row.argument_bytes, row.output_bytes = mem["argument_bytes"], mem["output_bytes"]
-    row.temp_bytes, row.compiled_bytes = mem["temp_bytes"], mem["total_bytes"]
-    peak_compile = bm.device_peak_bytes()
-    timing = bm.time_fn(compiled, *args, warmup=warmup, repeats=repeats)
-    row.median_ms, row.p10_ms, row.p90_ms = timing["median_ms"], timing["p10_ms"], timing["p90_ms"]
-    row.min_ms, row.repeats = timing["min_ms"], timing["repeats"]
-    row.peak_bytes = bm.device_peak_bytes()
+    compiled, peak_compile = harness.compile_and_time(row, step, args, warmup=warmup, repeats=repeats)
     losses, state = [], (lora, opt_state)
     for _ in range(3):  # three real steps from the initial state
         new_lora, new_opt, loss = compiled(*state, params, ids, ids, n_items)
