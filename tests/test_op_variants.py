@@ -83,6 +83,14 @@ def _attention(rng, dtype=None):  # the padding mask covers the unmasked path to
             functools.partial(attention_reference, attention_mask=mask), _qkv(rng))
 
 
+def _flash_attention(rng, dtype=None):  # the Pallas kernels (interpret mode on the CPU), same mask as above
+    from jaxgrad.ops.attention import attention_reference
+    from jaxgrad.ops.flash_attention import flash_attention
+    mask = jnp.array([[1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1]])
+    return (functools.partial(flash_attention, attention_mask=mask, block_q=16, block_k=16),
+            functools.partial(attention_reference, attention_mask=mask), _qkv(rng))
+
+
 def _lora_linear(rng, dtype=jnp.float64):
     from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear, lora_linear_reference
     x, w = _normal(rng, (B, T, H)), _normal(rng, (40, H), H ** -0.5)
@@ -126,6 +134,7 @@ EXTRA = {
     "nf4_matmul_pallas": ("jaxgrad.ops.nf4_matmul", _nf4_matmul),
     "apply_rope": ("jaxgrad.ops.rope", _rope),
     "attention_padded": ("jaxgrad.ops.attention", _attention),
+    "flash_attention_padded": ("jaxgrad.ops.flash_attention", _flash_attention),
     "lora_linear_dropout": ("jaxgrad.ops.lora_linear", _lora_linear),
     "lora_block": ("jaxgrad.lora.block", _lora_block),
 }

@@ -64,7 +64,13 @@ def test_an_undetermined_forward_does_not_pick_the_precision_of_the_gradients():
     args = _saturated_attention_args(case)
     rep = check_vjp(case.fn, case.reference, *args, seed=678, **QUIET)
     assert not rep.passed and rep.undetermined, rep
-    assert "agrees with bf16" in rep.leaf("args[2]").verdict
+    assert rep.leaf("args[2]").undetermined and "BUG" not in rep.leaf("args[2]").verdict, rep
+    # (since session 13's gating from beta = 0, dv passes tf32's scale test here and is undetermined by its jumps)
+    # an error that bf16 explains but tf32 does not is not called a bug either: the forward cannot tell which of
+    # them fn computes in (at this input the leaf is undetermined, "fails at tf32 but agrees with bf16")
+    off = check_vjp(_with_scaled_v_grad(case.fn, 1.001), case.reference, *args, seed=678, **QUIET)
+    assert not off.passed and off.undetermined and off.leaf("args[2]").undetermined, off
+    assert "BUG" not in off.leaf("args[2]").verdict, off
     # a real bug in that leaf is not excused: 10% on dv fails at every hypothesis
     bad = check_vjp(_with_scaled_v_grad(case.fn, 1.1), case.reference, *args, seed=678, **QUIET)
     assert not bad.passed and not bad.undetermined and not bad.leaf("args[2]").undetermined, bad
