@@ -64,7 +64,8 @@ import numpy as np
 
 from jaxgrad import benchmarking as bm
 from jaxgrad.lora.bench_harness import (ROW_TAG, child_main, compile_and_time, is_skipped,  # noqa: F401
-                                        parent_setup, run_fresh_suite, select_variants, time_torch, torch_missing)
+                                        parent_setup, run_fresh_suite, sdpa_llama_config, select_variants,
+                                        time_torch, torch_missing)
 from jaxgrad.lora.bench_harness import run_in_fresh_process as _run_in_fresh_process
 
 SIZES = {
@@ -290,17 +291,8 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
     kw = dict(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
               num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-5,
               max_position_embeddings=s["seq"], vocab_size=256, num_hidden_layers=1, attention_bias=False,
-              mlp_bias=False, hidden_act="silu", attention_dropout=0.0, rope_theta=ROPE_THETA)
-    try:
-        cfg = transformers.LlamaConfig(**kw, attn_implementation="sdpa")
-    except TypeError:
-        cfg = transformers.LlamaConfig(**kw)
-    cfg._attn_implementation = "sdpa"
-    if getattr(cfg, "_attn_implementation", None) != "sdpa":
-        raise RuntimeError(f"transformers config: attention implementation {cfg._attn_implementation!r}, not sdpa")
-    rp = getattr(cfg, "rope_parameters", None)
-    if isinstance(rp, dict) and float(rp.get("rope_theta", ROPE_THETA)) != ROPE_THETA:
-        cfg.rope_parameters = {**rp, "rope_theta": ROPE_THETA}
+              mlp_bias=False, hidden_act="silu", attention_dropout=0.0)
+    cfg = sdpa_llama_config(transformers, ROPE_THETA, **kw)
     layer = modeling_llama.LlamaDecoderLayer(cfg, layer_idx=0)
     lcfg = peft.LoraConfig(r=s["r"], lora_alpha=LORA_ALPHA_OVER_R * s["r"], lora_dropout=0.0,
                            target_modules=list(PROJ), init_lora_weights=False, bias="none")

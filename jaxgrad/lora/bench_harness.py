@@ -41,6 +41,22 @@ def compile_and_time(row: bm.Row, fn, args: tuple, *, warmup: int, repeats: int)
     return compiled, peak_compile
 
 
+def sdpa_llama_config(transformers, rope_theta: float, **kw):
+    """A transformers ``LlamaConfig`` with SDPA attention (refused if the installed version picks another), its RoPE
+    base set to ``rope_theta`` whichever field the version keeps it in."""
+    try:
+        cfg = transformers.LlamaConfig(**kw, rope_theta=rope_theta, attn_implementation="sdpa")
+    except TypeError:
+        cfg = transformers.LlamaConfig(**kw, rope_theta=rope_theta)
+    cfg._attn_implementation = "sdpa"
+    if getattr(cfg, "_attn_implementation", None) != "sdpa":
+        raise RuntimeError(f"transformers config: attention implementation {cfg._attn_implementation!r}, not sdpa")
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict) and float(rp.get("rope_theta", rope_theta)) != rope_theta:
+        cfg.rope_parameters = {**rp, "rope_theta": rope_theta}
+    return cfg
+
+
 def torch_missing() -> str | None:
     """Why the torch variant cannot run here (None if it can, as far as imports go)."""
     missing = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]

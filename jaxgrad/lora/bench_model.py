@@ -280,20 +280,10 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
 def _hf_config(transformers, s: dict):
     kw = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
               num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-              head_dim=s["head_dim"], rms_norm_eps=RMS_EPS, max_position_embeddings=s["seq"], rope_theta=ROPE_THETA,
+              head_dim=s["head_dim"], rms_norm_eps=RMS_EPS, max_position_embeddings=s["seq"],
               tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu",
               attention_dropout=0.0, use_cache=False)
-    try:
-        cfg = transformers.LlamaConfig(**kw, attn_implementation="sdpa")
-    except TypeError:
-        cfg = transformers.LlamaConfig(**kw)
-    cfg._attn_implementation = "sdpa"
-    if getattr(cfg, "_attn_implementation", None) != "sdpa":
-        raise RuntimeError(f"transformers config: attention implementation {cfg._attn_implementation!r}, not sdpa")
-    rp = getattr(cfg, "rope_parameters", None)
-    if isinstance(rp, dict) and float(rp.get("rope_theta", ROPE_THETA)) != ROPE_THETA:
-        cfg.rope_parameters = {**rp, "rope_theta": ROPE_THETA}
-    return cfg
+    return harness.sdpa_llama_config(transformers, ROPE_THETA, **kw)
 
 
 def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str = "default") -> bm.Row:

@@ -111,6 +111,17 @@ def _row_mask(start, n, seq):
     return idx, idx < seq
 
 
+def _q_block(q_ref, seq: int, head_dim: int):
+    """The prologue of a kernel over (batch, q head, q block ``i``): ``(cdt, i, rows, row_in, dmask, q)`` -- the
+    accumulation dtype, the block's row positions and which lie inside the sequence, the mask of the real head-dim
+    columns (the block is padded to a power of two) and the q block loaded under both masks."""
+    bq, bd = q_ref.shape
+    i = pl.program_id(2)
+    rows, row_in = _row_mask(i * bq, bq, seq)
+    dmask = (jnp.arange(bd, dtype=jnp.int32) < head_dim)[None, :]
+    return _cdt(q_ref.dtype), i, rows, row_in, dmask, pb.masked_load(q_ref, row_in[:, None] & dmask)
+
+
 def _div(a, b: int):
     """``a // b`` of a traced int32 (``lax.div``, which wants one dtype also under ``jax_enable_x64``)."""
     return lax.div(jnp.asarray(a, jnp.int32), jnp.int32(b))
@@ -126,13 +137,8 @@ def _kv_blocks(i, bq, bk, seq):
 # ---------------------------------------------------------------------------------------------------------------
 def _fwd_kernel(q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, *, seq, head_dim, scale, block_k):
     """One (batch, q head, q block): online softmax over the kv blocks up to the causal limit."""
-    bq, bd = q_ref.shape
-    bk = block_k
-    cdt = _cdt(q_ref.dtype)
-    i = pl.program_id(2)
-    rows, row_in = _row_mask(i * bq, bq, seq)
-    dmask = (jnp.arange(bd, dtype=jnp.int32) < head_dim)[None, :]
-    q = pb.masked_load(q_ref, row_in[:, None] & dmask)
+    (bq, bd), bk = q_ref.shape, block_k
+    cdt, i, rows, row_in, dmask, q = _q_block(q_ref, seq, head_dim)
 
     def body(j, carry):
         acc, m, l = carry
@@ -216,13 +222,8 @@ def _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt):
 
 def _dq_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, do_ref, dq_ref, dd_ref, *, seq, head_dim, scale, block_k):
     """One (batch, q head, q block): pass 1 D = rowsum(P dP); pass 2 dQ = c sum_J P (dP - D) K_J."""
-    bq, bd = q_ref.shape
-    bk = block_k
-    cdt = _cdt(q_ref.dtype)
-    i = pl.program_id(2)
-    rows, row_in = _row_mask(i * bq, bq, seq)
-    dmask = (jnp.arange(bd, dtype=jnp.int32) < head_dim)[None, :]
-    q = pb.masked_load(q_ref, row_in[:, None] & dmask)
+    (bq, bd), bk = q_ref.shape, block_k
+    cdt, i, rows, row_in, dmask, q = _q_block(q_ref, seq, head_dim)
     do = pb.masked_load(do_ref, row_in[:, None] & dmask).astype(cdt)
     lse = pb.masked_load(lse_ref, row_in, other=-jnp.inf)
 
