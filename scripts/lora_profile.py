@@ -401,6 +401,17 @@ def describe(mod: HloModule, name: str) -> OpInfo:
         info.category = f"{engine} gemm {'lora' if skinny else 'base'} {dtype}"
         info.detail = f"{'%dx' % b if b > 1 else ''}{m}x{n}x{k} {ldt}.{rdt}->{arrays(ins.shape)[0][0] if arrays(ins.shape) else '?'}"
         return info
+    if ins.opcode == "custom-call" and "mosaic_gpu" in target.lower():
+        # a jaxgrad.ops.lora_linear_mgpu kernel, L R1 + (s L R2) R3: operands L [M, Kc], R1, R2^T [r, Kc], R3^T;
+        # results Y [M, N] (and the rank-r side output [M, r]). FLOPs: the base product, the r-wide U (or G) from
+        # the same L tiles and the epilogue's rank-r product
+        outs, lhs, r2t = arrays(ins.shape), arrays(operand_shapes[0]), arrays(operand_shapes[2])
+        if outs and lhs and r2t and len(lhs[0][1]) == 2 and len(outs[0][1]) == 2:
+            (ldt, (m_, kc)), (odt, (_, n_)), r_ = lhs[0], outs[0], r2t[0][1][0]
+            info.flops = 2.0 * m_ * kc * (n_ + r_) + 2.0 * m_ * r_ * n_
+            info.detail = f"{m_}x{n_}x{kc} r{r_} {ldt}->{odt}"
+        info.kind, info.category = "gemm", "Mosaic GPU gemm+lora bf16"
+        return info
     if ins.opcode == "custom-call":
         info.category = f"custom-call {target}"
         return info
@@ -520,6 +531,7 @@ def aggregate(events: list[KernelEvent], mod: HloModule, steps: int) -> list[OpR
                 cat = ("memcpy/memset" if "memcpy" in low or "memset" in low else
                        "unattributed cuDNN" if "cudnn" in low or "fmha" in low or "sdpa" in low else
                        "unattributed gemm" if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma")) else
+                       "unattributed Mosaic GPU" if "mosaic" in low else
                        "unattributed")
                 info = OpInfo(category=cat, kind="other")
             else:

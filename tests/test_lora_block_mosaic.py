@@ -100,10 +100,33 @@ def test_without_rank_outputs_the_kernels_return_one_result(monkeypatch):
     assert len(calls) == 8 and not any("16xbf16>)" in c.split("->")[-1] for c in calls)
 
 
+def test_bf16_dx_option_makes_the_dx_kernels_write_the_operand_dtype(monkeypatch):
+    # BlockKernels(mosaic_dx_lowp=True) (bench variant "custom_vjp cudnn mosaic-bf16-dx"): the 4 dX kernels write
+    # bf16, the forward ones are unchanged, and the block's sums of them stay fp32 (its dx is still bf16 at the end)
+    from jaxgrad.lora.kernels import BlockKernels
+
+    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
+    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
+    frozen, norms, lora, x = _inputs(14, jnp.bfloat16)
+    calls = _kernel_calls(_fn_kern(frozen, BlockKernels("mosaic", fold_b=True, mosaic_dx_lowp=True)), x, lora, norms,
+                          lowering_platforms=("cuda",))
+    assert len(calls) == 8 and not any("xf32>" in c.split("->")[-1] for c in calls)
+
+
+def _fn_kern(frozen, kern):
+    """The block through its custom VJP with a kernel choice that is not a block() argument."""
+    from jaxgrad.lora.block import _block
+
+    return lambda x, lora, norms: _block(CFG, LCFG, "xla", {**frozen, **norms}, lora, x, None, None, None, kern)
+
+
 @pytest.mark.gpu
-def test_gpu_mosaic_block_vjp_verified_bf16():
+@pytest.mark.parametrize("dx_lowp", [False, True], ids=["dx-f32", "dx-bf16"])
+def test_gpu_mosaic_block_vjp_verified_bf16(dx_lowp):
+    from jaxgrad.lora.kernels import BlockKernels
+
     frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
-    fn = _fn(frozen)
+    fn = _fn(frozen) if not dx_lowp else _fn_kern(frozen, BlockKernels("mosaic", fold_b=True, mosaic_dx_lowp=True))
     assert len(_kernel_calls(fn, x, lora, norms)) == 8  # compiled for this GPU: the kernels are really there
     # and in the optimised program each projection's forward kernel runs once, shared by the backward's recompute
     # (XLA's CSE of identical calls), beside its dX kernel: 7 + 7 launches
@@ -115,3 +138,17 @@ def test_gpu_mosaic_block_vjp_verified_bf16():
         return block_reference({**frozen, **norms}, lora, x, CFG, LCFG)
 
     assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_gpu_one_cudnn_forward_per_training_step(backend):
+    # attention="cudnn": the forward's cuDNN call is the training-mode one (it also writes the softmax statistics),
+    # identical to the backward's recompute, so XLA merges the two: one forward and one backward cuDNN call per step
+    # (session 11's profile had two forwards, the forward's in inference mode, 0.15 ms each at the benchmark shape)
+    frozen, norms, lora, x = _inputs(15, jnp.bfloat16)
+    fn = lambda x, lora, norms: block({**frozen, **norms}, lora, x, CFG, LCFG, backend=backend,  # noqa: E731
+                                      attention="cudnn")
+    hlo = _step(fn).lower(x, lora, norms).compile().as_text()
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', hlo)
+    assert sorted(calls) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls

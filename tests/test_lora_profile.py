@@ -61,6 +61,10 @@ ENTRY %main.1 (x.1: bf16[8192,2048], w.1: bf16[2048,2048], dy.1: f32[8192,2048],
   %loop_convert_fusion.2 = f32[2048,2048]{1,0} fusion(%w.1), kind=kLoop, calls=%fused_convert, metadata={op_name="jit(fwd_bwd)/transpose(jvp())/convert_element_type" stack_frame_id=1}
   %custom-call.5 = (f32[8192,2048]{1,0}, s8[4194304]{0}) custom-call(%dy.1, %loop_convert_fusion.2), custom_call_target="__cublas$gemm", metadata={op_name="jit(fwd_bwd)/transpose(jvp())/dot_general" stack_frame_id=1}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
   %custom-call.7 = (bf16[4,16,2048,128]{3,1,2,0}, f32[4,16,2048]{2,1,0}, u8[0]{0}) custom-call(%q.1, %k.1, %v.1), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(fwd_bwd)/jvp()/dot_product_attention" stack_frame_id=2}, backend_config={"cudnn_fmha_backend_config":{"bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]},"intermediate_tensor_shape":{"dimensions":["4","16","2048","2048"],"element_type":"BF16"},"mask_type":"CAUSAL"}}
+  %bt.1 = bf16[16,2048]{1,0} parameter(6)
+  %at.1 = bf16[2048,16]{1,0} parameter(7)
+  %dyb.1 = bf16[8192,2048]{1,0} parameter(8)
+  %custom-call.9 = (f32[8192,2048]{1,0}, bf16[8192,16]{1,0}) custom-call(%dyb.1, %w.1, %bt.1, %at.1), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(fwd_bwd)/transpose(jvp())/mosaic_gpu_call" stack_frame_id=1}
   ROOT %get-tuple-element.1 = f32[8192,2048]{1,0} get-tuple-element(%custom-call.5), index=0
 }
 """
@@ -77,6 +81,12 @@ def test_parse_hlo_and_describe():
     assert gemm.bytes == 4 * (8192 * 2048 + 2048 * 2048) + 4 * 8192 * 2048  # workspace not counted
     assert gemm.phase == "bwd" and gemm.bound == "flops"
     assert gemm.floor_s == pytest.approx(gemm.flops / lp.MATMUL_FLOPS)
+
+    # a Mosaic GPU LoRA kernel (jaxgrad.ops.lora_linear_mgpu), here the dX one: dY W + (s dY B) A with sG out
+    mos = lp.describe(mod, "custom-call.9")
+    assert mos.kind == "gemm" and mos.category == "Mosaic GPU gemm+lora bf16"
+    assert mos.flops == 2.0 * 8192 * 2048 * (2048 + 16) + 2.0 * 8192 * 16 * 2048
+    assert mos.detail == "8192x2048x2048 r16 bf16->f32"
 
     att = lp.describe(mod, "custom-call.7")
     assert att.category == "cuDNN attention fwd"

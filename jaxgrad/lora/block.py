@@ -259,12 +259,13 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
 # ---------------------------------------------------------------------------------------------------------------
 # The custom VJP
 # ---------------------------------------------------------------------------------------------------------------
-def _cudnn_attention(q, k, v, attention_mask, attn):
-    """``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation, for CPU tests)."""
+def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False):
+    """``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation, for CPU tests).
+    ``return_residual``: ``(O, lse)``, cuDNN's training-mode forward (see :func:`_recompute_attention`)."""
     implementation = attn.split(":", 1)[1] if attn.startswith("sdpa:") else attn
     lengths = None if attention_mask is None else jnp.sum(attention_mask != 0, axis=-1).astype(jnp.int32)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
-                                        implementation=implementation)
+                                        implementation=implementation, return_residual=return_residual)
 
 
 def _dropout(lcfg, dropout_key) -> bool:
@@ -323,8 +324,14 @@ def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, ls
         lse = lse_new if lse is None else lse
     elif attn != "xla":
         # one cuDNN forward: its pullback (cuDNN's saved output and softmax statistics) serves the backward, which
-        # used to run the forward again inside jax.vjp (session 10's profile: 0.31 ms of 7.05)
-        o, attn_pullback = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn), q, k, v)
+        # used to run the forward again inside jax.vjp (session 10's profile: 0.31 ms of 7.05). It is cuDNN's
+        # training-mode forward (return_residual: O and the softmax statistics) in the forward too: the forward's
+        # pullback is unused, and without return_residual JAX then ran the inference-mode call there, a different
+        # custom call from the backward's, so XLA could not merge the two (two cuDNN forwards per step, 0.15 ms
+        # each in session 11's profile); identical calls are merged (CSE) when both are in one program
+        (o, cudnn_lse), pull = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True),
+                                       q, k, v)
+        attn_pullback = lambda do: pull((do, jnp.zeros_like(cudnn_lse)))  # noqa: E731 - O's cotangent only
     elif lse is None:
         o, lse = attention_fwd(q, k, v, attention_mask)
     else:

@@ -77,6 +77,10 @@ class BlockKernels:
     # the Mosaic GPU kernels also return sU / sG for the backward's dB / dA (no second skinny pass over h or dY);
     # off only to measure the session-12 kernels beside them (bench variant "custom_vjp cudnn mosaic-no-rank")
     mosaic_rank: bool = True
+    # the Mosaic GPU dX kernel writes each projection's dX in the operand dtype (bf16) instead of fp32, as PEFT's
+    # bf16 autograd does: half the bytes of every dX written and read again by the sums (q + k + v, gate + up, which
+    # stay fp32); off by default, measured beside the fp32 form (bench variant "custom_vjp cudnn mosaic-bf16-dx")
+    mosaic_dx_lowp: bool = False
 
     @property
     def pallas(self) -> bool:
@@ -134,7 +138,7 @@ class BlockKernels:
         a, b = a.astype(dtype), b.astype(dtype)
         if supported_dx(d2, w, a, b) is not None:
             return None
-        out_dtype = jnp.promote_types(dtype, jnp.float32)
+        out_dtype = dtype if self.mosaic_dx_lowp else jnp.promote_types(dtype, jnp.float32)
         if not self.mosaic_rank:
             return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype), None
         return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype, return_sg=True)
