@@ -416,7 +416,11 @@ def _lora_proj_variants(on_gpu: bool) -> dict[str, Callable]:
          "xla unfolded": lambda x, w, a, b: lora_linear_fwd(x, w, a, b, s),
          "x W^T alone (cuBLAS, no LoRA)": lambda x, w, a, b: lora_linear_fwd(x, w, None, None, s)}
     if on_gpu:
-        v = {"mosaic-gpu fused": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s), **v}
+        from jaxgrad.ops.lora_linear_mgpu import TileConfig
+
+        fly = TileConfig(wgmma_in_flight=1)
+        v = {"mosaic-gpu fused": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s),
+             "mosaic-gpu fused, wgmma in flight": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s, fly), **v}
     return v
 
 
@@ -433,7 +437,14 @@ def _lora_proj_dx_variants(on_gpu: bool) -> dict[str, Callable]:
     v = {"xla dX (block default)": xla_dx,
          "dY W alone (cuBLAS, no LoRA)": lambda dy, w, a, b: jnp.matmul(dy, w, preferred_element_type=f32)}
     if on_gpu:
-        v = {"mosaic-gpu fused dX": lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s), **v}
+        from jaxgrad.ops.lora_linear_mgpu import TileConfig
+
+        fly, bf16 = TileConfig(wgmma_in_flight=1), jnp.bfloat16
+        v = {"mosaic-gpu fused dX": lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s),
+             "mosaic-gpu fused dX, bf16 out (mosaic block default)":
+                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16),
+             "mosaic-gpu fused dX, bf16 out, wgmma in flight":
+                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=fly), **v}
     return v
 
 
@@ -465,9 +476,17 @@ def suite_lora_proj(sizes: str, precision: str, *, repeats: int = 20, warmup: in
     return rows
 
 
+def suite_attention(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
+    """The block's causal GQA attention fwd+bwd, bf16: cuDNN, our Pallas flash kernels, our XLA VJP, jax.grad
+    (:mod:`jaxgrad.lora.bench_attention`)."""
+    from jaxgrad.lora.bench_attention import suite_attention as run
+
+    return run(sizes, precision, repeats=repeats, warmup=warmup)
+
+
 SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan": suite_kan, "cnn": suite_cnn,
                                                   "lora": suite_lora, "lora_model": suite_lora_model,
-                                                  "lora_proj": suite_lora_proj}
+                                                  "lora_proj": suite_lora_proj, "attention": suite_attention}
 FRESH_PROCESS_SUITES = ("lora", "lora_model")  # each variant in a child process: --variants, --budget-s
 
 
@@ -478,7 +497,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--sizes", choices=["small", "full", "long"], default=None,
-                   help="problem sizes (default: full on a GPU, small elsewhere; long: the lora suite at seq 8192)")
+                   help="problem sizes (default: full on a GPU, small elsewhere; long: lora / attention at seq 8192)")
     p.add_argument("--out", default="benchmarks/results", help="results directory (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per variant (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per variant (default: %(default)s)")
@@ -502,8 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ("full" if jax.default_backend() == "gpu" else "small")
     ctx = jax.default_matmul_precision("highest") if args.precision == "highest" else contextlib.nullcontext()
     extra = {}
-    if sizes == "long" and args.suite != "lora":
-        raise SystemExit(f"--sizes long is only defined for the lora suite (seq 8192), not {args.suite!r}")
+    if sizes == "long" and args.suite not in ("lora", "attention"):
+        raise SystemExit(f"--sizes long is only defined for the lora and attention suites (seq 8192), not "
+                         f"{args.suite!r}")
     if (args.variants or args.budget_s is not None) and args.suite not in FRESH_PROCESS_SUITES:
         raise SystemExit(f"--variants and --budget-s are only implemented for the {' and '.join(FRESH_PROCESS_SUITES)}"
                          f" suites, not {args.suite!r}")

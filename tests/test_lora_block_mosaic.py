@@ -70,7 +70,8 @@ def test_every_projection_takes_the_kernels_when_lowered_for_a_gpu(monkeypatch):
     frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
     calls = _kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))
     assert len(calls) == 8, len(calls)
-    assert sum("xf32>" in c.split("->")[-1] for c in calls) == 4  # the dX kernels write fp32
+    # the dX kernels write the operand dtype (bf16; BlockKernels.mosaic_dx_f32 for fp32): no fp32 result anywhere
+    assert not any("xf32>" in c.split("->")[-1] for c in calls)
     # each also returns its rank-r product (sU, sG: [rows, r] in bf16) for the backward's dB / dA
     assert all(c.split("->")[-1].strip().endswith("tensor<256x16xbf16>)") for c in calls)
 
@@ -100,17 +101,33 @@ def test_without_rank_outputs_the_kernels_return_one_result(monkeypatch):
     assert len(calls) == 8 and not any("16xbf16>)" in c.split("->")[-1] for c in calls)
 
 
-def test_bf16_dx_option_makes_the_dx_kernels_write_the_operand_dtype(monkeypatch):
-    # BlockKernels(mosaic_dx_lowp=True) (bench variant "custom_vjp cudnn mosaic-bf16-dx"): the 4 dX kernels write
-    # bf16, the forward ones are unchanged, and the block's sums of them stay fp32 (its dx is still bf16 at the end)
+def test_f32_dx_option_makes_the_dx_kernels_write_fp32(monkeypatch):
+    # BlockKernels(mosaic_dx_f32=True) (bench variant "custom_vjp cudnn mosaic-f32-dx", session 13's form): the 4 dX
+    # kernels write fp32, the forward ones are unchanged
     from jaxgrad.lora.kernels import BlockKernels
 
     monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
     monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
     frozen, norms, lora, x = _inputs(14, jnp.bfloat16)
-    calls = _kernel_calls(_fn_kern(frozen, BlockKernels("mosaic", fold_b=True, mosaic_dx_lowp=True)), x, lora, norms,
+    calls = _kernel_calls(_fn_kern(frozen, BlockKernels("mosaic", fold_b=True, mosaic_dx_f32=True)), x, lora, norms,
                           lowering_platforms=("cuda",))
-    assert len(calls) == 8 and not any("xf32>" in c.split("->")[-1] for c in calls)
+    assert len(calls) == 8 and sum("xf32>" in c.split("->")[-1] for c in calls) == 4
+
+
+def test_tile_config_reaches_the_kernels(monkeypatch):
+    # BlockKernels(mosaic_tiles=...) (bench variant "custom_vjp cudnn mosaic-in-flight"): the same 8 kernels, lowered
+    # with the given pipelining (a different kernel body: other hashes than the default's)
+    from jaxgrad.lora.kernels import BlockKernels
+    from jaxgrad.ops.lora_linear_mgpu import TileConfig
+
+    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
+    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
+    frozen, norms, lora, x = _inputs(16, jnp.bfloat16)
+    kern = BlockKernels("mosaic", fold_b=True, mosaic_tiles=TileConfig(wgmma_in_flight=1))
+    calls = _kernel_calls(_fn_kern(frozen, kern), x, lora, norms, lowering_platforms=("cuda",))
+    default = _kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))
+    hashes = lambda cs: {re.search(r'kernel_hash = "([^"]*)"', c).group(1) for c in cs}  # noqa: E731
+    assert len(calls) == 8 and not hashes(calls) & hashes(default)
 
 
 def _fn_kern(frozen, kern):
@@ -121,12 +138,16 @@ def _fn_kern(frozen, kern):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dx_lowp", [False, True], ids=["dx-f32", "dx-bf16"])
-def test_gpu_mosaic_block_vjp_verified_bf16(dx_lowp):
+@pytest.mark.parametrize("kind", ["default", "dx-f32", "in-flight"])
+def test_gpu_mosaic_block_vjp_verified_bf16(kind):
+    # default: bf16 dX kernels; dx-f32: BlockKernels.mosaic_dx_f32; in-flight: TileConfig(wgmma_in_flight=1)
     from jaxgrad.lora.kernels import BlockKernels
+    from jaxgrad.ops.lora_linear_mgpu import TileConfig
 
     frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
-    fn = _fn(frozen) if not dx_lowp else _fn_kern(frozen, BlockKernels("mosaic", fold_b=True, mosaic_dx_lowp=True))
+    opts = {"default": None, "dx-f32": dict(mosaic_dx_f32=True),
+            "in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1))}[kind]
+    fn = _fn(frozen) if opts is None else _fn_kern(frozen, BlockKernels("mosaic", fold_b=True, **opts))
     assert len(_kernel_calls(fn, x, lora, norms)) == 8  # compiled for this GPU: the kernels are really there
     # and in the optimised program each projection's forward kernel runs once, shared by the backward's recompute
     # (XLA's CSE of identical calls), beside its dX kernel: 7 + 7 launches

@@ -61,18 +61,28 @@ def test_supported_names_what_does_not_fit():
         lora_linear_dx_mgpu(dy, w.T, a, b, SCALE)
 
 
+@pytest.mark.parametrize("in_flight", [0, 1])
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (8192, 2048, 1024), (256, 5632, 384), (256, 384, 5632)])
-def test_the_kernel_lowers_for_hopper_on_any_machine(mkn):
+def test_the_kernel_lowers_for_hopper_on_any_machine(mkn, in_flight):
     # Mosaic GPU lowers to its MLIR in Python: shapes, layouts, shared-memory budget are checked without a GPU
     m, k, n = mkn
+    cfg = TileConfig(wgmma_in_flight=in_flight)
     spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, k), (n, k), (16, k), (n, 16)]]
-    low = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132).lower(lowering_platforms=("cuda",))
+    low = _call.trace(*spec, scale=SCALE, config=cfg, num_sms=132).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in low.as_text()
-    # the backward's dX kernel: dy [M, N=n], w [n, k] -> dX [M, k] in fp32
+    # the backward's dX kernel: dy [M, N=n], w [n, k] -> dX [M, k] in fp32 and in bf16
     spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, n), (n, k), (16, k), (n, 16)]]
-    low = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132, mode="dx",
-                      out_dtype=jnp.dtype(jnp.float32)).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in low.as_text()
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        low = _call.trace(*spec, scale=SCALE, config=cfg, num_sms=132, mode="dx",
+                          out_dtype=jnp.dtype(out_dtype)).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in low.as_text()
+
+
+def test_tile_config_names_a_bad_pipelining():
+    with pytest.raises(ValueError, match="'wgmma_in_flight' must be 0 or 1, got 2"):
+        TileConfig(wgmma_in_flight=2)
+    with pytest.raises(ValueError, match="'max_concurrent_steps' \\(1\\) must exceed 'wgmma_in_flight' \\(1\\)"):
+        TileConfig(max_concurrent_steps=1, wgmma_in_flight=1)
 
 
 @pytest.mark.parametrize("mode", ["fwd", "dx"])
@@ -90,11 +100,12 @@ def test_the_rank_side_output_lowers_as_a_second_result(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_flight", [0, 1])
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (768, 320, 384), (8192, 2048, 1024), (8192, 5632, 2048)])
-def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn):
+def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn, in_flight):
     m, k, n = mkn
     x, w, a, b = _operands(sum(mkn), m, k, n, 16)
-    y = np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE), np.float64)
+    y = np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE, TileConfig(wgmma_in_flight=in_flight)), np.float64)
     y_xla = np.asarray(jax.jit(functools.partial(lora_linear_fwd, scale=SCALE, fold_b=True))(x, w, a, b), np.float64)
     truth, bound = _bound_and_truth(x, w, a, b, SCALE)
     err, err_xla = np.abs(y - truth), np.abs(y_xla - truth)
@@ -117,26 +128,32 @@ def test_gpu_kernel_keeps_leading_axes_and_f16():
     assert float(np.max(np.abs(np.asarray(y, np.float64).reshape(512, 128) - truth) / bound)) <= 1.0
 
 
-def _dx_bound_and_truth(dy, w, a, b, s):
+def _dx_bound_and_truth(dy, w, a, b, s, u_out=U_F32):
+    """``u_out``: the unit roundoff of dX's one rounding to the output dtype (fp32 by default, U_BF16 for bf16)."""
     dy, w, a, b = (np.asarray(t, np.float64) for t in (dy, w, a, b))
     g = dy @ b
     truth = dy @ w + (s * g) @ a
     gamma = (dy.shape[1] + a.shape[0]) * U_F32
     lora_abs = np.abs(s * g) @ np.abs(a)
-    bound = (U_F32 * np.abs(truth) + U_BF16 * lora_abs + gamma * (np.abs(dy) @ np.abs(w) + lora_abs)
-             + gamma * s * (np.abs(dy) @ np.abs(b)) @ np.abs(a))  # fp32 out: one f32 rounding of dX
+    bound = (u_out * np.abs(truth) + U_BF16 * lora_abs + gamma * (np.abs(dy) @ np.abs(w) + lora_abs)
+             + gamma * s * (np.abs(dy) @ np.abs(b)) @ np.abs(a))
     return truth, bound
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype,in_flight", [(jnp.float32, 0), (jnp.bfloat16, 0), (jnp.bfloat16, 1)],
+                         ids=["f32", "bf16", "bf16-in-flight"])
 @pytest.mark.parametrize("mnk", [(512, 128, 256), (768, 320, 384), (8192, 1024, 2048), (8192, 2048, 5632)])
-def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk):
-    # dX = dY W + (s dY B) A for dy [M, N], w [N, K]: the block's backward product, fp32 out
+def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk, out_dtype, in_flight):
+    # dX = dY W + (s dY B) A for dy [M, N], w [N, K]: the block's backward product, fp32 or bf16 out (the block's
+    # default since session 14: one bf16 rounding of the fp32 accumulator)
     m, n, k = mnk
     _, w, a, b = _operands(sum(mnk), m, k, n, 16)  # w [N, K], a [r, K], b [N, r]
     dy = jax.random.normal(jax.random.key(m * 7 + n), (m, n), jnp.float32).astype(jnp.bfloat16)
-    dx = np.asarray(lora_linear_dx_mgpu(dy, w, a, b, SCALE), np.float64)
-    truth, bound = _dx_bound_and_truth(dy, w, a, b, SCALE)
+    dx = lora_linear_dx_mgpu(dy, w, a, b, SCALE, out_dtype=out_dtype, config=TileConfig(wgmma_in_flight=in_flight))
+    assert dx.dtype == out_dtype
+    dx = np.asarray(dx, np.float64)
+    truth, bound = _dx_bound_and_truth(dy, w, a, b, SCALE, U_F32 if out_dtype == jnp.float32 else U_BF16)
     assert float(np.max(np.abs(dx - truth) / bound)) <= 1.0, f"worst entry {np.max(np.abs(dx - truth) / bound):.3g}"
     # yardstick: the same arithmetic in XLA (dY W and (sG rounded to bf16) A, fp32 accumulation). Not the block's XLA
     # backward, which keeps G in fp32 (measured: the kernel's RMS error 6.6-8x that one's when s G A is large; PEFT's
@@ -144,8 +161,8 @@ def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk):
     f32 = jnp.float32
     g = jnp.matmul(dy, b, preferred_element_type=f32)
     sg = (SCALE * g).astype(jnp.bfloat16)
-    dx_xla = np.asarray(jnp.matmul(dy, w, preferred_element_type=f32) + jnp.matmul(sg, a, preferred_element_type=f32),
-                        np.float64)
+    dx_xla = np.asarray((jnp.matmul(dy, w, preferred_element_type=f32) + jnp.matmul(sg, a, preferred_element_type=f32)
+                         ).astype(out_dtype), np.float64)
     rms, rms_xla = (float(np.sqrt(np.mean((v - truth) ** 2))) for v in (dx, dx_xla))
     assert rms <= 1.5 * rms_xla, (rms, rms_xla)
 

@@ -94,8 +94,10 @@ JAX_VARIANTS = {
     "custom_vjp+low-memory cudnn mosaic": ("mosaic", "cudnn", False),
     # the session-12 Mosaic GPU kernels without their rank-r side outputs (dA / dB recompute U and G on XLA)
     "custom_vjp cudnn mosaic-no-rank": ("mosaic", "cudnn", False),
-    # the Mosaic GPU dX kernel writing dX in bf16 (BlockKernels.mosaic_dx_lowp; the sums stay fp32)
-    "custom_vjp cudnn mosaic-bf16-dx": ("mosaic", "cudnn", False),
+    # the Mosaic GPU dX kernel writing dX in fp32 (BlockKernels.mosaic_dx_f32; session 13's form, bf16 since 14)
+    "custom_vjp cudnn mosaic-f32-dx": ("mosaic", "cudnn", False),
+    # the Mosaic GPU kernels leaving one K step's wgmma in flight (TileConfig.wgmma_in_flight = 1)
+    "custom_vjp cudnn mosaic-in-flight": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
@@ -105,7 +107,15 @@ JAX_VARIANTS = {
     "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
 # the mosaic variants that are BlockKernels options rather than block() arguments
-MOSAIC_KERNEL_OPTIONS = {"mosaic-no-rank": dict(mosaic_rank=False), "mosaic-bf16-dx": dict(mosaic_dx_lowp=True)}
+MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight")
+
+
+def mosaic_kernel_options(suffix: str) -> dict:
+    """The BlockKernels options of a mosaic variant named ``... <suffix>`` (imports JAX: call it in a JAX child)."""
+    from jaxgrad.ops.lora_linear_mgpu import TileConfig
+
+    return {"mosaic-no-rank": dict(mosaic_rank=False), "mosaic-f32-dx": dict(mosaic_dx_f32=True),
+            "mosaic-in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1))}[suffix]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -117,7 +127,7 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic",
              "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank",
-             "custom_vjp cudnn mosaic-bf16-dx",
+             "custom_vjp cudnn mosaic-f32-dx", "custom_vjp cudnn mosaic-in-flight",
              "custom_vjp pallas-attn")  # most wanted first (a budget may cut)
 
 
@@ -239,11 +249,11 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
         if attention.startswith("sdpa:"):  # the attention="cudnn" code path with another implementation (CPU)
             return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1],
                                group_projections=grouped, low_memory=low_memory, fold_lora_b=fold_b)
-        if name.split()[-1] in MOSAIC_KERNEL_OPTIONS:  # not block() options: the kernel choice given directly
+        if name.split()[-1] in MOSAIC_KERNEL_VARIANTS:  # not block() options: the kernel choice given directly
             from jaxgrad.lora.block import _block
             from jaxgrad.lora.kernels import BlockKernels
 
-            kern = BlockKernels("mosaic", fold_b=True, **MOSAIC_KERNEL_OPTIONS[name.split()[-1]])
+            kern = BlockKernels("mosaic", fold_b=True, **mosaic_kernel_options(name.split()[-1]))
             return _block(cfg, lcfg, attention, params, lora, x, None, None, None, kern)
         return block(params, lora, x, cfg, lcfg, attention=attention, backend=backend, group_projections=grouped,
                      low_memory=low_memory, fold_lora_b=fold_b)

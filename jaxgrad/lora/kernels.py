@@ -77,10 +77,13 @@ class BlockKernels:
     # the Mosaic GPU kernels also return sU / sG for the backward's dB / dA (no second skinny pass over h or dY);
     # off only to measure the session-12 kernels beside them (bench variant "custom_vjp cudnn mosaic-no-rank")
     mosaic_rank: bool = True
-    # the Mosaic GPU dX kernel writes each projection's dX in the operand dtype (bf16) instead of fp32, as PEFT's
-    # bf16 autograd does: half the bytes of every dX written and read again by the sums (q + k + v, gate + up, which
-    # stay fp32); off by default, measured beside the fp32 form (bench variant "custom_vjp cudnn mosaic-bf16-dx")
-    mosaic_dx_lowp: bool = False
+    # the Mosaic GPU dX kernel writes each projection's dX in fp32 (session 13's form; bench variant "custom_vjp
+    # cudnn mosaic-f32-dx"). Off by default: it writes dX in the operand dtype (bf16), as PEFT's bf16 autograd does,
+    # half the bytes of every dX written and read again by the sums (q + k + v, gate + up: those stay fp32). H100,
+    # one run: 4.501 ms / 892 MiB against 4.777 ms / 1011 MiB in fp32 (NOTES.md, session 14)
+    mosaic_dx_f32: bool = False
+    # the Mosaic GPU kernels' tiles and pipelining (None: lora_linear_mgpu.TileConfig's defaults)
+    mosaic_tiles: object = None
 
     @property
     def pallas(self) -> bool:
@@ -119,14 +122,16 @@ class BlockKernels:
 
         a, b = a.astype(h.dtype), b.astype(h.dtype)  # fp32 master adapters: operands in the activation dtype,
         # as the dX kernel takes them and as PEFT's autocast does (a bf16 adapter is unchanged)
-        if supported(h.reshape(-1, h.shape[-1]), w, a, b) is not None:
+        cfg = self._tiles()
+        if supported(h.reshape(-1, h.shape[-1]), w, a, b, cfg) is not None:
             return None
         if not self.mosaic_rank:
-            return lora_linear_fwd_mgpu(h, w, a, b, scale), None
-        return lora_linear_fwd_mgpu(h, w, a, b, scale, return_su=True)
+            return lora_linear_fwd_mgpu(h, w, a, b, scale, cfg), None
+        return lora_linear_fwd_mgpu(h, w, a, b, scale, cfg, return_su=True)
 
     def lora_dx(self, dy, w, a, b, scale, keep_scale, dtype):
-        """``(dX, sG)``: the projection's whole ``dX = dY W + (s dY B) A`` in fp32 and ``sG = s dY B`` (rounded once
+        """``(dX, sG)``: the projection's whole ``dX = dY W + (s dY B) A`` (in ``dtype``; fp32 with ``mosaic_dx_f32``)
+        and ``sG = s dY B`` (rounded once
         to ``dtype``, for the backward's ``dA``) by the Mosaic GPU kernel (``backend="mosaic"``; ``dy`` rounded once
         to ``dtype`` first, as :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does), or ``None`` where the call
         does not qualify."""
@@ -136,12 +141,18 @@ class BlockKernels:
 
         d2 = dy.reshape(-1, dy.shape[-1]).astype(dtype)
         a, b = a.astype(dtype), b.astype(dtype)
-        if supported_dx(d2, w, a, b) is not None:
+        out_dtype = jnp.promote_types(dtype, jnp.float32) if self.mosaic_dx_f32 else dtype
+        cfg = self._tiles()
+        if supported_dx(d2, w, a, b, cfg) is not None:
             return None
-        out_dtype = dtype if self.mosaic_dx_lowp else jnp.promote_types(dtype, jnp.float32)
         if not self.mosaic_rank:
-            return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype), None
-        return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype, return_sg=True)
+            return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype, config=cfg), None
+        return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype, config=cfg, return_sg=True)
+
+    def _tiles(self):
+        from jaxgrad.ops.lora_linear_mgpu import TileConfig
+
+        return TileConfig() if self.mosaic_tiles is None else self.mosaic_tiles
 
     def nf4_kernel(self, w) -> bool:
         return self.pallas and isinstance(w, NF4Weight)

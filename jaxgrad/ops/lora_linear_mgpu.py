@@ -62,6 +62,17 @@ class TileConfig:
     epi_tile_m: int = 64
     epi_tile_n: int = 64
     grid_tile_width: int = 8  # planar snake over the output tiles: L2 reuse of W and X
+    # K steps whose wgmma stay in flight while the next step's are issued (0 or 1): with 1, each step waits only for
+    # the previous step's products and its operand stage is released one step later (the pipeline's delay_release);
+    # with 0, every step waits for its own products before the next is issued
+    wgmma_in_flight: int = 0
+
+    def __post_init__(self):
+        if self.wgmma_in_flight not in (0, 1):
+            raise ValueError(f"TileConfig: 'wgmma_in_flight' must be 0 or 1, got {self.wgmma_in_flight!r}")
+        if self.wgmma_in_flight >= self.max_concurrent_steps:
+            raise ValueError(f"TileConfig: 'max_concurrent_steps' ({self.max_concurrent_steps}) must exceed "
+                             f"'wgmma_in_flight' ({self.wgmma_in_flight})")
 
 
 def _problem(x, w, a, b):
@@ -133,7 +144,8 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
         return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
 
     def spec(shape, index):
-        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
+        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM,
+                               delay_release=cfg.wgmma_in_flight)
 
     r1_spec = spec((tile_n, tile_k), lambda kk: (0, kk)) if t1 else spec((tile_k, tile_n), lambda kk: (kk, 0))
 
@@ -181,6 +193,8 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
                                    u_ref=plgpu.ACC((tile_m, r), jnp.float32))
                 def _acc_scope(acc_ref, u_ref):
                     eval_pipeline((acc_ref, u_ref))
+                    if cfg.wgmma_in_flight:
+                        plgpu.wgmma_wait(0)  # the last step's products, before U and Y are read
                     # Y += (s U) R3: s U rounded once to the operand dtype (lora_linear_fwd's fold_b)
                     su_smem[wg] = (u_ref[...] * scale).astype(dtype)
                     plgpu.commit_smem()
@@ -208,7 +222,9 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
                 ls = l_smem.at[wg_m_slice]
                 plgpu.wgmma(acc_ref, ls, r1_smem.transpose((1, 0)) if t1 else r1_smem)  # L R1
                 plgpu.wgmma(u_ref, ls, r2_smem.transpose((1, 0)))  # U = L R2, from the same L tile
-                plgpu.wgmma_wait(0)
+                # two groups per step: leaving 2 pending keeps this step's in flight (the previous step's are done,
+                # so its stage, released one step late, is free)
+                plgpu.wgmma_wait(2 * cfg.wgmma_in_flight)
                 return carry
 
             r1_tile = r1_gmem.at[n_slice, :] if t1 else r1_gmem.at[:, n_slice]
