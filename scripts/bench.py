@@ -444,8 +444,27 @@ def _lora_proj_dx_variants(on_gpu: bool) -> dict[str, Callable]:
              "mosaic-gpu fused dX, bf16 out (mosaic block default)":
                  lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16),
              "mosaic-gpu fused dX, bf16 out, wgmma in flight":
-                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=fly), **v}
+                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=fly),
+             **_mosaic_example_variants(), **v}
     return v
+
+
+def _mosaic_example_variants() -> dict[str, Callable]:
+    """``dY W`` alone (no LoRA, bf16 out) by JAX's own Hopper matmul example (``hopper_matmul_mgpu``): the same
+    warp-specialised pipeline as our kernel without its rank-r work, at our CTA tile (2 x 128 rows x 128 columns,
+    k 64) with 3 and 4 stages, and at 128 rows x 2 x 128 columns -- what the LoRA terms cost our kernel, and what
+    a plain Mosaic GPU GEMM reaches against cuBLAS at these shapes."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    def cfg(stages, wg_dim):
+        return hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=stages, epi_tile_m=64,
+                               epi_tile_n=64, grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=8,
+                               wg_dimension=wg_dim)
+
+    m_, n_ = hm.MatmulDimension.M, hm.MatmulDimension.N
+    return {f"jax example mosaic dY W (no LoRA), {name}": (lambda c: lambda dy, w, a, b: hm.matmul(dy, w, None, c))(c)
+            for name, c in (("CTA 256x128, 3 stages", cfg(3, m_)), ("CTA 256x128, 4 stages", cfg(4, m_)),
+                            ("CTA 128x256, 4 stages", cfg(4, n_)))}
 
 
 def suite_lora_proj(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:

@@ -207,11 +207,15 @@ def test_block_nf4_base_weights_match_dense_dequantised():
     assert max(jax.tree.leaves(errs)) < 2e-5, errs
 
 
-def test_cudnn_code_path_with_xla_sdpa_matches_reference():
+@pytest.mark.parametrize("repeat_kv", [True, False], ids=["kv-repeated", "gqa"])
+def test_cudnn_code_path_with_xla_sdpa_matches_reference(repeat_kv):
+    # 3 q heads on 1 kv head: with repeat_kv (the default) K and V are repeated to the q heads before the SDPA call
+    # and the repeat's VJP sums the group's dK, dV; without it the SDPA call does GQA itself
     c = CASES["llama3-rope-padding-positions"]
     params, lora, x = make_block(8, jnp.float32, c["cfg"], c["lcfg"])
     ct = jax.random.normal(jax.random.key(9), x.shape)
-    f = lambda l, x: block_mod._block_sdpa(params, l, x, c["cfg"], c["lcfg"], **c["kw"])  # noqa: E731
+    f = lambda l, x: block_mod._block_sdpa(params, l, x, c["cfg"], c["lcfg"], repeat_kv=repeat_kv,  # noqa: E731
+                                           **c["kw"])
     r = lambda l, x: block_reference(params, l, x, c["cfg"], c["lcfg"], **c["kw"])  # noqa: E731
     (y, pb), (y_ref, pb_ref) = jax.vjp(jax.jit(f), lora, x), jax.vjp(jax.jit(r), lora, x)
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=4e-6 * float(jnp.max(jnp.abs(y_ref))))

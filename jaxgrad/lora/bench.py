@@ -98,6 +98,8 @@ JAX_VARIANTS = {
     "custom_vjp cudnn mosaic-f32-dx": ("mosaic", "cudnn", False),
     # the Mosaic GPU kernels leaving one K step's wgmma in flight (TileConfig.wgmma_in_flight = 1)
     "custom_vjp cudnn mosaic-in-flight": ("mosaic", "cudnn", False),
+    # cuDNN's GQA attention kernels (BlockKernels.cudnn_repeat_kv off; the default repeats K, V to the q heads)
+    "custom_vjp cudnn mosaic-gqa": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
@@ -107,7 +109,7 @@ JAX_VARIANTS = {
     "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
 # the mosaic variants that are BlockKernels options rather than block() arguments
-MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight")
+MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight", "mosaic-gqa")
 
 
 def mosaic_kernel_options(suffix: str) -> dict:
@@ -115,7 +117,8 @@ def mosaic_kernel_options(suffix: str) -> dict:
     from jaxgrad.ops.lora_linear_mgpu import TileConfig
 
     return {"mosaic-no-rank": dict(mosaic_rank=False), "mosaic-f32-dx": dict(mosaic_dx_f32=True),
-            "mosaic-in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1))}[suffix]
+            "mosaic-in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1)),
+            "mosaic-gqa": dict(cudnn_repeat_kv=False)}[suffix]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -127,7 +130,7 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic",
              "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank",
-             "custom_vjp cudnn mosaic-f32-dx", "custom_vjp cudnn mosaic-in-flight",
+             "custom_vjp cudnn mosaic-f32-dx", "custom_vjp cudnn mosaic-in-flight", "custom_vjp cudnn mosaic-gqa",
              "custom_vjp pallas-attn")  # most wanted first (a budget may cut)
 
 

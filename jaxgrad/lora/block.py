@@ -259,11 +259,17 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
 # ---------------------------------------------------------------------------------------------------------------
 # The custom VJP
 # ---------------------------------------------------------------------------------------------------------------
-def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False):
+def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False, repeat_kv=False):
     """``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation, for CPU tests).
-    ``return_residual``: ``(O, lse)``, cuDNN's training-mode forward (see :func:`_recompute_attention`)."""
+    ``return_residual``: ``(O, lse)``, cuDNN's training-mode forward (see :func:`_recompute_attention`).
+    ``repeat_kv``: ``K`` and ``V`` repeated to the query heads first (head ``h`` reads kv head ``h // G``, as GQA
+    does; the repeat's VJP sums each group's ``dK``, ``dV``): cuDNN's MHA kernels instead of its GQA ones
+    (:class:`jaxgrad.lora.kernels.BlockKernels`' ``cudnn_repeat_kv``)."""
     implementation = attn.split(":", 1)[1] if attn.startswith("sdpa:") else attn
     lengths = None if attention_mask is None else jnp.sum(attention_mask != 0, axis=-1).astype(jnp.int32)
+    g = q.shape[2] // k.shape[2]
+    if repeat_kv and g > 1:
+        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
                                         implementation=implementation, return_residual=return_residual)
 
@@ -329,8 +335,8 @@ def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, ls
         # pullback is unused, and without return_residual JAX then ran the inference-mode call there, a different
         # custom call from the backward's, so XLA could not merge the two (two cuDNN forwards per step, 0.15 ms
         # each in session 11's profile); identical calls are merged (CSE) when both are in one program
-        (o, cudnn_lse), pull = jax.vjp(lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True),
-                                       q, k, v)
+        (o, cudnn_lse), pull = jax.vjp(
+            lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True, kern.cudnn_repeat_kv), q, k, v)
         attn_pullback = lambda do: pull((do, jnp.zeros_like(cudnn_lse)))  # noqa: E731 - O's cotangent only
     elif lse is None:
         o, lse = attention_fwd(q, k, v, attention_mask)
@@ -513,10 +519,11 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True):
+                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True, repeat_kv=True):
     """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation
-    (tests run it with ``"xla"`` on the CPU)."""
+    (tests run it with ``"xla"`` on the CPU); ``repeat_kv``: ``BlockKernels.cudnn_repeat_kv``."""
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
     return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
-                  BlockKernels(group=bool(group_projections), low_memory=bool(low_memory), fold_b=bool(fold_lora_b)))
+                  BlockKernels(group=bool(group_projections), low_memory=bool(low_memory), fold_b=bool(fold_lora_b),
+                               cudnn_repeat_kv=bool(repeat_kv)))

@@ -84,6 +84,10 @@ class BlockKernels:
     mosaic_dx_f32: bool = False
     # the Mosaic GPU kernels' tiles and pipelining (None: lora_linear_mgpu.TileConfig's defaults)
     mosaic_tiles: object = None
+    # attention="cudnn" with K and V repeated to the query heads: cuDNN's MHA kernels instead of its GQA ones (the
+    # repeat's VJP sums dK, dV over each group). On by default: H100, the block's attention alone (fwd+bwd, bf16),
+    # 0.913 ms against 1.050 ms (NOTES.md, session 14); off: bench variant "custom_vjp cudnn mosaic-gqa"
+    cudnn_repeat_kv: bool = True
 
     @property
     def pallas(self) -> bool:
