@@ -209,8 +209,8 @@ def test_block_nf4_base_weights_match_dense_dequantised():
 
 @pytest.mark.parametrize("repeat_kv", [True, False], ids=["kv-repeated", "gqa"])
 def test_cudnn_code_path_with_xla_sdpa_matches_reference(repeat_kv):
-    # 3 q heads on 1 kv head: with repeat_kv (the default) K and V are repeated to the q heads before the SDPA call
-    # and the repeat's VJP sums the group's dK, dV; without it the SDPA call does GQA itself
+    # 3 q heads on 1 kv head: with repeat_kv K and V are repeated to the q heads before the SDPA call and the
+    # repeat's VJP sums the group's dK, dV; without it (the default) the SDPA call does GQA itself
     c = CASES["llama3-rope-padding-positions"]
     params, lora, x = make_block(8, jnp.float32, c["cfg"], c["lcfg"])
     ct = jax.random.normal(jax.random.key(9), x.shape)

@@ -114,7 +114,8 @@ def test_f32_dx_option_makes_the_dx_kernels_write_fp32(monkeypatch):
     assert len(calls) == 8 and sum("xf32>" in c.split("->")[-1] for c in calls) == 4
 
 
-def test_tile_config_reaches_the_kernels(monkeypatch):
+@pytest.mark.parametrize("tiles", [dict(wgmma_in_flight=1), dict(rank_from_xla=True)])
+def test_tile_config_reaches_the_kernels(monkeypatch, tiles):
     # BlockKernels(mosaic_tiles=...) (bench variant "custom_vjp cudnn mosaic-in-flight"): the same 8 kernels, lowered
     # with the given pipelining (a different kernel body: other hashes than the default's)
     from jaxgrad.lora.kernels import BlockKernels
@@ -123,7 +124,7 @@ def test_tile_config_reaches_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
     monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
     frozen, norms, lora, x = _inputs(16, jnp.bfloat16)
-    kern = BlockKernels("mosaic", fold_b=True, mosaic_tiles=TileConfig(wgmma_in_flight=1))
+    kern = BlockKernels("mosaic", fold_b=True, mosaic_tiles=TileConfig(**tiles))
     calls = _kernel_calls(_fn_kern(frozen, kern), x, lora, norms, lowering_platforms=("cuda",))
     default = _kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))
     hashes = lambda cs: {re.search(r'kernel_hash = "([^"]*)"', c).group(1) for c in cs}  # noqa: E731
@@ -138,7 +139,7 @@ def _fn_kern(frozen, kern):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["default", "dx-f32", "in-flight"])
+@pytest.mark.parametrize("kind", ["default", "dx-f32", "in-flight", "rank-from-xla"])
 def test_gpu_mosaic_block_vjp_verified_bf16(kind):
     # default: bf16 dX kernels; dx-f32: BlockKernels.mosaic_dx_f32; in-flight: TileConfig(wgmma_in_flight=1)
     from jaxgrad.lora.kernels import BlockKernels
@@ -146,7 +147,8 @@ def test_gpu_mosaic_block_vjp_verified_bf16(kind):
 
     frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
     opts = {"default": None, "dx-f32": dict(mosaic_dx_f32=True),
-            "in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1))}[kind]
+            "in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1)),
+            "rank-from-xla": dict(mosaic_tiles=TileConfig(rank_from_xla=True))}[kind]
     fn = _fn(frozen) if opts is None else _fn_kern(frozen, BlockKernels("mosaic", fold_b=True, **opts))
     assert len(_kernel_calls(fn, x, lora, norms)) == 8  # compiled for this GPU: the kernels are really there
     # and in the optimised program each projection's forward kernel runs once, shared by the backward's recompute

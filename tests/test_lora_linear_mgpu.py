@@ -61,12 +61,17 @@ def test_supported_names_what_does_not_fit():
         lora_linear_dx_mgpu(dy, w.T, a, b, SCALE)
 
 
-@pytest.mark.parametrize("in_flight", [0, 1])
+CONFIGS = {"default": TileConfig(), "in-flight": TileConfig(wgmma_in_flight=1),
+           "rank-from-xla": TileConfig(rank_from_xla=True),
+           "rank-from-xla-in-flight": TileConfig(rank_from_xla=True, wgmma_in_flight=1)}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (8192, 2048, 1024), (256, 5632, 384), (256, 384, 5632)])
-def test_the_kernel_lowers_for_hopper_on_any_machine(mkn, in_flight):
+def test_the_kernel_lowers_for_hopper_on_any_machine(mkn, config):
     # Mosaic GPU lowers to its MLIR in Python: shapes, layouts, shared-memory budget are checked without a GPU
     m, k, n = mkn
-    cfg = TileConfig(wgmma_in_flight=in_flight)
+    cfg = CONFIGS[config]
     spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, k), (n, k), (16, k), (n, 16)]]
     low = _call.trace(*spec, scale=SCALE, config=cfg, num_sms=132).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in low.as_text()
@@ -100,12 +105,12 @@ def test_the_rank_side_output_lowers_as_a_second_result(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_flight", [0, 1])
+@pytest.mark.parametrize("config", ["default", "in-flight", "rank-from-xla"])
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (768, 320, 384), (8192, 2048, 1024), (8192, 5632, 2048)])
-def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn, in_flight):
+def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn, config):
     m, k, n = mkn
     x, w, a, b = _operands(sum(mkn), m, k, n, 16)
-    y = np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE, TileConfig(wgmma_in_flight=in_flight)), np.float64)
+    y = np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE, CONFIGS[config]), np.float64)
     y_xla = np.asarray(jax.jit(functools.partial(lora_linear_fwd, scale=SCALE, fold_b=True))(x, w, a, b), np.float64)
     truth, bound = _bound_and_truth(x, w, a, b, SCALE)
     err, err_xla = np.abs(y - truth), np.abs(y_xla - truth)
@@ -141,16 +146,17 @@ def _dx_bound_and_truth(dy, w, a, b, s, u_out=U_F32):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype,in_flight", [(jnp.float32, 0), (jnp.bfloat16, 0), (jnp.bfloat16, 1)],
-                         ids=["f32", "bf16", "bf16-in-flight"])
+@pytest.mark.parametrize("out_dtype,config", [(jnp.float32, "default"), (jnp.bfloat16, "default"),
+                                              (jnp.bfloat16, "in-flight"), (jnp.bfloat16, "rank-from-xla")],
+                         ids=["f32", "bf16", "bf16-in-flight", "bf16-rank-from-xla"])
 @pytest.mark.parametrize("mnk", [(512, 128, 256), (768, 320, 384), (8192, 1024, 2048), (8192, 2048, 5632)])
-def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk, out_dtype, in_flight):
+def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk, out_dtype, config):
     # dX = dY W + (s dY B) A for dy [M, N], w [N, K]: the block's backward product, fp32 or bf16 out (the block's
     # default since session 14: one bf16 rounding of the fp32 accumulator)
     m, n, k = mnk
     _, w, a, b = _operands(sum(mnk), m, k, n, 16)  # w [N, K], a [r, K], b [N, r]
     dy = jax.random.normal(jax.random.key(m * 7 + n), (m, n), jnp.float32).astype(jnp.bfloat16)
-    dx = lora_linear_dx_mgpu(dy, w, a, b, SCALE, out_dtype=out_dtype, config=TileConfig(wgmma_in_flight=in_flight))
+    dx = lora_linear_dx_mgpu(dy, w, a, b, SCALE, out_dtype=out_dtype, config=CONFIGS[config])
     assert dx.dtype == out_dtype
     dx = np.asarray(dx, np.float64)
     truth, bound = _dx_bound_and_truth(dy, w, a, b, SCALE, U_F32 if out_dtype == jnp.float32 else U_BF16)
@@ -176,22 +182,25 @@ def _rank_bound(lhs, rhs_t, s):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["default", "rank-from-xla"])
 @pytest.mark.parametrize("mkn", [(768, 384, 640), (8192, 2048, 1024)])  # shapes both kernels take
-def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn):
+def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn, config):
     # sU = s X A^T and sG = s dY B as the epilogues used them: within two roundings of the exact product (every row
-    # block written, none shifted), and the main result unchanged by asking for them
+    # block written, none shifted), and the main result unchanged by asking for them (rank-from-xla: XLA's product,
+    # which the epilogue read)
     m, k, n = mkn
+    cfg = CONFIGS[config]
     x, w, a, b = _operands(sum(mkn) + 1, m, k, n, 16)
-    y, su = lora_linear_fwd_mgpu(x, w, a, b, SCALE, return_su=True)
+    y, su = lora_linear_fwd_mgpu(x, w, a, b, SCALE, cfg, return_su=True)
     assert su.shape == (m, 16) and su.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE)))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE, cfg)))
     exact, bound = _rank_bound(x, a, SCALE)
     worst = np.max(np.abs(np.asarray(su, np.float64) - exact) / bound)
     assert worst <= 1.0, f"sU: worst entry {worst:.3g} of its bound"
     dy = jax.random.normal(jax.random.key(m + n), (m, n), jnp.float32).astype(jnp.bfloat16)
-    dx, sg = lora_linear_dx_mgpu(dy, w, a, b, SCALE, return_sg=True)
+    dx, sg = lora_linear_dx_mgpu(dy, w, a, b, SCALE, config=cfg, return_sg=True)
     assert sg.shape == (m, 16) and dx.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(dx), np.asarray(lora_linear_dx_mgpu(dy, w, a, b, SCALE)))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(lora_linear_dx_mgpu(dy, w, a, b, SCALE, config=cfg)))
     exact, bound = _rank_bound(dy, np.asarray(b, np.float64).T, SCALE)
     worst = np.max(np.abs(np.asarray(sg, np.float64) - exact) / bound)
     assert worst <= 1.0, f"sG: worst entry {worst:.3g} of its bound"

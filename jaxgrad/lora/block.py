@@ -519,7 +519,7 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True, repeat_kv=True):
+                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True, repeat_kv=False):
     """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation
     (tests run it with ``"xla"`` on the CPU); ``repeat_kv``: ``BlockKernels.cudnn_repeat_kv``."""
     lora = {} if lora is None else lora

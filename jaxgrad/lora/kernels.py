@@ -85,9 +85,11 @@ class BlockKernels:
     # the Mosaic GPU kernels' tiles and pipelining (None: lora_linear_mgpu.TileConfig's defaults)
     mosaic_tiles: object = None
     # attention="cudnn" with K and V repeated to the query heads: cuDNN's MHA kernels instead of its GQA ones (the
-    # repeat's VJP sums dK, dV over each group). On by default: H100, the block's attention alone (fwd+bwd, bf16),
-    # 0.913 ms against 1.050 ms (NOTES.md, session 14); off: bench variant "custom_vjp cudnn mosaic-gqa"
-    cudnn_repeat_kv: bool = True
+    # repeat's VJP sums dK, dV over each group). Off by default: on the H100 the attention alone is faster with it
+    # (fwd+bwd 0.913 ms against 1.050), the block is not (4.620 ms / 924 MiB against 4.538 / 892: the repeats and
+    # the group sums are memory passes of their own; NOTES.md, session 14); bench variant "custom_vjp cudnn
+    # mosaic-kv-repeat"
+    cudnn_repeat_kv: bool = False
 
     @property
     def pallas(self) -> bool:

@@ -66,6 +66,9 @@ class TileConfig:
     # the previous step's products and its operand stage is released one step later (the pipeline's delay_release);
     # with 0, every step waits for its own products before the next is issued
     wgmma_in_flight: int = 0
+    # the rank-r product (sU forward, sG for dX) computed by XLA first (a skinny GEMM, one more read of L) and read
+    # by the epilogue from HBM: the K loop is then a plain GEMM, one wgmma per step (no r-wide wgmma beside it)
+    rank_from_xla: bool = False
 
     def __post_init__(self):
         if self.wgmma_in_flight not in (0, 1):
@@ -119,19 +122,22 @@ def supported_dx(dy, w, a, b, config: TileConfig = TileConfig()) -> str | None:
                                     "K": ("the contraction N (dy's columns)", n), "r": ("the rank r", r)}, config)
 
 
-def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: float, cfg: TileConfig, t1: bool):
+def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: float, cfg: TileConfig, t1: bool,
+            rank_in: bool = False):
     """``Y = L R1 + (s (L R2)) R3`` (module doc), ``L`` [M, Kc]; ``R1`` [Kc, N] (stored transposed, [N, Kc], when
     ``t1``), ``R2`` and ``R3`` stored transposed, ``R2^T`` [r, Kc] and ``R3^T`` [N, r]. Forward: ``R1^T = W``,
     ``R2^T = A``, ``R3^T = B``; dX: ``R1 = W``, ``R2^T = B^T``, ``R3^T = A^T``. ``rank_gmem``: optionally one more
     output, ``s (L R2)`` [M, r] as rounded for the epilogue (``sU`` forward, ``sG`` for dX), written by the CTAs of
-    the first output column tile only (every column tile of a row block computes the same one)."""
+    the first output column tile only (every column tile of a row block computes the same one). ``rank_in``: the
+    third operand is that product itself, ``s (L R2)`` [M, r], computed beforehand (``TileConfig.rank_from_xla``):
+    the K loop streams ``L`` and ``R1`` only and the epilogue brings the CTA's rows of it in by TMA."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     dtype, out_dtype = lhs_gmem.dtype, y_gmem.dtype
     m, k = lhs_gmem.shape
     n = y_gmem.shape[1]
-    r = r2t_gmem.shape[0]
+    r = r2t_gmem.shape[1] if rank_in else r2t_gmem.shape[0]
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
     epi_m = cfg.epi_tile_m
     epi_n = cfg.epi_tile_n * 2 // jnp.dtype(out_dtype).itemsize  # the same bytes per epilogue row: 64 bf16, 32 f32
@@ -154,7 +160,8 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), r1_spec, spec((r, tile_k), lambda kk: (0, kk))],
+            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), r1_spec]
+            + ([] if rank_in else [spec((r, tile_k), lambda kk: (0, kk))]),
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps,
@@ -166,14 +173,16 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, r1_gmem, r2t_gmem),
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, r1_gmem,
+                                                                 *(() if rank_in else (r2t_gmem,))),
         y_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=smem_transforms(epi_n, out_dtype)),
         su_smem=plgpu.SMEM((2, tile_m, r), dtype, transforms=smem_transforms(r)),
         r3_smem=plgpu.SMEM((2, tile_n, r), dtype, transforms=smem_transforms(r)),
         r3_barrier=plgpu.Barrier(num_barriers=2),
+        su_barrier=plgpu.Barrier(num_barriers=2),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, y_smem, su_smem, r3_smem, r3_barrier):
+    def _scope(pipeline_allocs, y_smem, su_smem, r3_smem, r3_barrier, su_barrier):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
@@ -188,16 +197,25 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
                 # R3's tile for the epilogue, in flight while the K loop runs (the previous tile's wgmma on r3_smem
                 # was waited for before its epilogue ended)
                 plgpu.copy_gmem_to_smem(r3t_gmem.at[n_slice], r3_smem.at[wg], r3_barrier.at[wg])
+                if rank_in:  # this warpgroup's rows of the precomputed s (L R2), in flight during the K loop
+                    plgpu.copy_gmem_to_smem(r2t_gmem.at[cta_m_slice].at[wg_m_slice], su_smem.at[wg],
+                                            su_barrier.at[wg])
 
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32),
-                                   u_ref=plgpu.ACC((tile_m, r), jnp.float32))
-                def _acc_scope(acc_ref, u_ref):
+                accs = dict(acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                if not rank_in:
+                    accs["u_ref"] = plgpu.ACC((tile_m, r), jnp.float32)
+
+                @functools.partial(pl.run_scoped, **accs)
+                def _acc_scope(acc_ref, u_ref=None):
                     eval_pipeline((acc_ref, u_ref))
                     if cfg.wgmma_in_flight:
                         plgpu.wgmma_wait(0)  # the last step's products, before U and Y are read
-                    # Y += (s U) R3: s U rounded once to the operand dtype (lora_linear_fwd's fold_b)
-                    su_smem[wg] = (u_ref[...] * scale).astype(dtype)
-                    plgpu.commit_smem()
+                    if rank_in:
+                        plgpu.barrier_wait(su_barrier.at[wg])
+                    else:
+                        # Y += (s U) R3: s U rounded once to the operand dtype (lora_linear_fwd's fold_b)
+                        su_smem[wg] = (u_ref[...] * scale).astype(dtype)
+                        plgpu.commit_smem()
                     if rank_gmem:  # the rank-r side output (sU or sG) for dA / dB, once per row block
                         @pl.when(n_idx == 0)
                         def _store_rank():
@@ -217,19 +235,21 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
                             plgpu.copy_smem_to_gmem(
                                 y_smem.at[wg, slot], y_gmem.at[cta_m_slice, n_slice].at[wg_m_slice].at[em, en])
 
-            def mma_body(_, l_smem, r1_smem, r2_smem, carry):
+            def mma_body(_, l_smem, r1_smem, *r2_smem_and_carry):
+                *r2_smem, carry = r2_smem_and_carry
                 acc_ref, u_ref = carry
                 ls = l_smem.at[wg_m_slice]
                 plgpu.wgmma(acc_ref, ls, r1_smem.transpose((1, 0)) if t1 else r1_smem)  # L R1
-                plgpu.wgmma(u_ref, ls, r2_smem.transpose((1, 0)))  # U = L R2, from the same L tile
+                if not rank_in:
+                    plgpu.wgmma(u_ref, ls, r2_smem[0].transpose((1, 0)))  # U = L R2, from the same L tile
                 # two groups per step: leaving 2 pending keeps this step's in flight (the previous step's are done,
                 # so its stage, released one step late, is free)
-                plgpu.wgmma_wait(2 * cfg.wgmma_in_flight)
+                plgpu.wgmma_wait((1 if rank_in else 2) * cfg.wgmma_in_flight)
                 return carry
 
             r1_tile = r1_gmem.at[n_slice, :] if t1 else r1_gmem.at[:, n_slice]
-            pipeline(mma_body, compute_context)(lhs_gmem.at[cta_m_slice, :], r1_tile, r2t_gmem,
-                                                allocations=pipeline_allocs)
+            pipeline(mma_body, compute_context)(lhs_gmem.at[cta_m_slice, :], r1_tile,
+                                                *(() if rank_in else (r2t_gmem,)), allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -253,10 +273,17 @@ def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, e
     # A^T [K, r]: tiny copies), since a 16-wide untransposed wgmma operand does not lower (layout inference)
     operands = (w, a, b) if fwd else (w, b.T, a.T)
     out_type = jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype)
-    if emit_rank:
+    rank = None
+    if config.rank_from_xla:
+        # s (L R2) by XLA, fp32 accumulation, rounded once to the operand dtype: the kernel's own arithmetic for it
+        r2 = operands[1]  # R2^T [r, Kc]
+        rank = (scale * jax.lax.dot_general(lhs, r2, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)).astype(lhs.dtype)
+        operands = (operands[0], rank, operands[2])
+    elif emit_rank:
         out_type = (out_type, jax.ShapeDtypeStruct((lhs.shape[0], a.shape[0]), lhs.dtype))
     f = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, cfg=config, t1=fwd),
+        functools.partial(_kernel, scale=scale, cfg=config, t1=fwd, rank_in=config.rank_from_xla),
         out_type=out_type,
         grid=(num_sms,),
         grid_names=("cluster_grid",),
@@ -264,6 +291,8 @@ def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, e
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
+    if rank is not None:
+        return (f(lhs, *operands), rank) if emit_rank else f(lhs, *operands)
     return f(lhs, *operands)
 
 
