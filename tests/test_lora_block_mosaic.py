@@ -27,8 +27,17 @@ SHAPES = {"q_proj": (_Q, _H), "k_proj": (_KV, _H), "v_proj": (_KV, _H), "o_proj"
           "up_proj": (_I, _H), "down_proj": (_H, _I)}  # HF [out, in]
 
 
-def _inputs(seed, dtype):
+# odd sizes (issue #13 item 3): seq 77, hidden 96, 3 q heads on 1 kv head (head dim 32), intermediate 160, r 4 --
+# every projection's operands zero-padded to the kernels' tiles
+CFG_ODD = LlamaConfig(hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1,
+                      head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=128, vocab_size=11)
+LCFG_ODD = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+
+
+def _inputs(seed, dtype, odd=False):
     """Base weights ~ N(0, 1/in), norm weights 1 + N(0, 0.2^2), A and B random and non-zero, x ~ N(0, 1)."""
+    if odd:
+        return _inputs_odd(seed, dtype)
     rng = np.random.default_rng(seed)
     cast = lambda a: jnp.asarray(np.float32(a), dtype)  # noqa: E731
     norms = {n: {"weight": cast(1 + 0.2 * rng.standard_normal(_H))}
@@ -40,6 +49,25 @@ def _inputs(seed, dtype):
         lora.setdefault(g, {})[n] = {"lora_A": cast(rng.uniform(-1, 1, (LCFG.r, in_f)) / np.sqrt(in_f)),
                                      "lora_B": cast(rng.uniform(-1, 1, (out_f, LCFG.r)) / np.sqrt(LCFG.r))}
     return frozen, norms, lora, cast(rng.standard_normal((B, T, _H)))
+
+
+def _inputs_odd(seed, dtype):
+    rng = np.random.default_rng(seed)
+    cast = lambda a: jnp.asarray(np.float32(a), dtype)  # noqa: E731
+    c, r = CFG_ODD, LCFG_ODD.r
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size), "v_proj": (kv, c.hidden_size),
+              "o_proj": (c.hidden_size, q), "gate_proj": (c.intermediate_size, c.hidden_size),
+              "up_proj": (c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size)}
+    norms = {n: {"weight": cast(1 + 0.2 * rng.standard_normal(c.hidden_size))}
+             for n in ("input_layernorm", "post_attention_layernorm")}
+    frozen, lora = {}, {}
+    for g, n in PROJECTIONS:
+        out_f, in_f = shapes[n]
+        frozen.setdefault(g, {})[n] = {"weight": cast(rng.standard_normal((out_f, in_f)) / np.sqrt(in_f))}
+        lora.setdefault(g, {})[n] = {"lora_A": cast(rng.uniform(-1, 1, (r, in_f)) / np.sqrt(in_f)),
+                                     "lora_B": cast(rng.uniform(-1, 1, (out_f, r)) / np.sqrt(r))}
+    return frozen, norms, lora, cast(rng.standard_normal((2, 77, c.hidden_size)))
 
 
 def _step(fn):
@@ -58,17 +86,23 @@ def _kernel_calls(fn, x, lora, norms, **lower):
     return list({re.search(r'kernel_hash = "([^"]*)"', line).group(1): line for line in lines}.values())
 
 
-def _fn(frozen, backend="mosaic"):
-    return lambda x, lora, norms: block({**frozen, **norms}, lora, x, CFG, LCFG, backend=backend)
+def _fn(frozen, backend="mosaic", odd=False):
+    cfg, lcfg = (CFG_ODD, LCFG_ODD) if odd else (CFG, LCFG)
+    return lambda x, lora, norms: block({**frozen, **norms}, lora, x, cfg, lcfg, backend=backend)
 
 
-def test_every_projection_takes_the_kernels_when_lowered_for_a_gpu(monkeypatch):
+@pytest.mark.parametrize("odd", [False, True], ids=["tiles", "odd-sizes"])
+def test_every_projection_takes_the_kernels_when_lowered_for_a_gpu(monkeypatch, odd):
     # on this CPU, lowered for CUDA as if on a GPU: the forward and dX kernels of every projection shape are in the
-    # program (4 forward shapes -- q/o, k/v, gate/up, down -- and their 4 dX shapes; XLA shares identical calls)
+    # program (4 forward shapes -- q/o, k/v, gate/up, down -- and their 4 dX shapes; XLA shares identical calls);
+    # at odd sizes (seq 77, hidden 96, r 4) too, through zero padding
     monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
     monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
-    frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
-    calls = _kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))
+    frozen, norms, lora, x = _inputs(11, jnp.bfloat16, odd)
+    calls = _kernel_calls(_fn(frozen, odd=odd), x, lora, norms, lowering_platforms=("cuda",))
+    if odd:  # padded, q, k, v and o share one forward shape (128 x 128) and q / o one dX shape: 3 + 4 kernels
+        assert len(calls) == 7 and not any("xf32>" in c.split("->")[-1] for c in calls), len(calls)
+        return
     assert len(calls) == 8, len(calls)
     # the dX kernels write the operand dtype (bf16; BlockKernels.mosaic_dx_f32 for fp32): no fp32 result anywhere
     assert not any("xf32>" in c.split("->")[-1] for c in calls)
@@ -136,6 +170,19 @@ def _fn_kern(frozen, kern):
     from jaxgrad.lora.block import _block
 
     return lambda x, lora, norms: _block(CFG, LCFG, "xla", {**frozen, **norms}, lora, x, None, None, None, kern)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_block_at_odd_sizes_vjp_verified_bf16():
+    # seq 77, hidden 96, 3 q heads / 1 kv head, intermediate 160, r 4: every projection padded to the kernels' tiles
+    frozen, norms, lora, x = _inputs(17, jnp.bfloat16, odd=True)
+    fn = _fn(frozen, odd=True)
+    assert len(_kernel_calls(fn, x, lora, norms)) == 7  # compiled for this GPU: the kernels are there
+
+    def ref(x, lora, norms):
+        return block_reference({**frozen, **norms}, lora, x, CFG_ODD, LCFG_ODD)
+
+    assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
 
 
 @pytest.mark.gpu

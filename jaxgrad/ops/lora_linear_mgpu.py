@@ -31,12 +31,14 @@ kernel can also write its rank-r product as rounded (``sU`` forward, ``sG`` for 
 row block from the CTAs of the first column tile), so that ``dB = dY^T (sU)`` and ``dA = (sG)^T X`` need no second
 pass over ``X`` or ``dY`` for the skinny products.
 
-Scope: bf16 or f16 operands (``wgmma`` on 16-bit types; f32 would be TF32), shapes divisible by the tiles
-(``M % 2 tile_m``, output columns ``% tile_n``, contraction ``% tile_k``, ``r % 16``), no dropout mask;
-:func:`supported` / :func:`supported_dx` say whether a call qualifies and the kernels raise a ``ValueError`` naming the
-argument otherwise. It needs a
-Hopper GPU (Mosaic GPU has no public interpreter): the tests on the H100 compare it with the reference at fresh
-random inputs, and on a CPU its lowering is checked.
+Scope: bf16 or f16 operands (``wgmma`` on 16-bit types; f32 would be TF32), no dropout mask. The kernel itself
+takes shapes divisible by its tiles (rows ``% 2 tile_m``, output columns ``% tile_n``, contraction ``% tile_k``,
+``r % 16``); the public functions zero-pad the operands up to them where a size is not (zeros add exact zeros to
+every fp32 sum) and slice the results, so any size runs -- seq 77, hidden 96, r = 4 -- at the cost of the padded
+copies (none at the LoRA block's benchmark shape). :func:`supported` / :func:`supported_dx` say whether a call
+qualifies (shapes that fit together, one 16-bit dtype) and the kernels raise a ``ValueError`` naming the argument
+otherwise. It needs a Hopper GPU (Mosaic GPU has no public interpreter): the tests on the H100 compare it with the
+reference at fresh random inputs, odd sizes included, and on a CPU its lowering is checked.
 """
 
 from __future__ import annotations
@@ -85,16 +87,18 @@ def _problem(x, w, a, b):
     return m, n, k, r
 
 
-def _why_not(arrays, sizes, config: TileConfig) -> str | None:
+def _why_not(arrays) -> str | None:
     dts = {jnp.dtype(t.dtype) for t in arrays}
     if len(dts) != 1 or dts.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the operands must share one 16-bit dtype (bf16 or f16), got {[str(t.dtype) for t in arrays]}"
-    c = config
-    tiles = {"M": 2 * c.tile_m, "N": c.tile_n, "K": c.tile_k, "r": 16}
-    for name, (what, size) in sizes.items():
-        if size % tiles[name]:
-            return f"{what} = {size} must be a multiple of {tiles[name]} (TileConfig {c})"
     return None
+
+
+def _pad(t, multiples):
+    """``t`` zero-padded at the end of each axis to a multiple of ``multiples[axis]`` (unchanged where it is one).
+    Zero rows and columns add exact zeros to every fp32 sum, so the padded product's leading block is the product."""
+    widths = [(0, (-n) % m) for n, m in zip(t.shape, multiples)]
+    return t if not any(p for _, p in widths) else jnp.pad(t, widths)
 
 
 def supported(x, w, a, b, config: TileConfig = TileConfig()) -> str | None:
@@ -105,8 +109,7 @@ def supported(x, w, a, b, config: TileConfig = TileConfig()) -> str | None:
     if w.shape[1] != k or a.shape[1] != k or b.shape != (n, r):
         return (f"shapes must be x [M, K], w [N, K], a [r, K], b [N, r]; got x {x.shape}, w {w.shape}, a {a.shape}, "
                 f"b {b.shape}")
-    return _why_not((x, w, a, b), {"M": ("x's rows M", m), "N": ("w's rows N", n), "K": ("the contraction K", k),
-                                   "r": ("the rank r", r)}, config)
+    return _why_not((x, w, a, b))
 
 
 def supported_dx(dy, w, a, b, config: TileConfig = TileConfig()) -> str | None:
@@ -118,8 +121,7 @@ def supported_dx(dy, w, a, b, config: TileConfig = TileConfig()) -> str | None:
     if w.shape[0] != n or a.shape[1] != k or b.shape != (n, r):
         return (f"shapes must be dy [M, N], w [N, K], a [r, K], b [N, r]; got dy {dy.shape}, w {w.shape}, "
                 f"a {a.shape}, b {b.shape}")
-    return _why_not((dy, w, a, b), {"M": ("dy's rows M", m), "N": ("w's columns K (dX's columns)", k),
-                                    "K": ("the contraction N (dy's columns)", n), "r": ("the rank r", r)}, config)
+    return _why_not((dy, w, a, b))
 
 
 def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: float, cfg: TileConfig, t1: bool,
@@ -315,11 +317,14 @@ def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConf
     why = supported(x2, w, a, b, config)
     if why is not None:
         raise ValueError(f"lora_linear_fwd_mgpu: {why}")
-    out = _call(x2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
+    (m, k), n, r = x2.shape, w.shape[0], a.shape[0]
+    c = config
+    out = _call(_pad(x2, (2 * c.tile_m, c.tile_k)), _pad(w, (c.tile_n, c.tile_k)), _pad(a, (16, c.tile_k)),
+                _pad(b, (c.tile_n, 16)), scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
                 emit_rank=return_su)
     if return_su:
-        return out[0].reshape(*lead, w.shape[0]), out[1].reshape(*lead, a.shape[0])
-    return out.reshape(*lead, w.shape[0])
+        return out[0][:m, :n].reshape(*lead, n), out[1][:m, :r].reshape(*lead, r)
+    return out[:m, :n].reshape(*lead, n)
 
 
 def lora_linear_dx_mgpu(dy, w, a, b, scale: float, out_dtype=jnp.float32, config: TileConfig = TileConfig(),
@@ -340,8 +345,11 @@ def lora_linear_dx_mgpu(dy, w, a, b, scale: float, out_dtype=jnp.float32, config
     why = supported_dx(d2, w, a, b, config)
     if why is not None:
         raise ValueError(f"lora_linear_dx_mgpu: {why}")
-    out = _call(d2, w, a, b, scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()), mode="dx",
-                out_dtype=jnp.dtype(out_dtype), emit_rank=return_sg)
+    (m, _), k, r = d2.shape, w.shape[1], a.shape[0]
+    c = config
+    out = _call(_pad(d2, (2 * c.tile_m, c.tile_k)), _pad(w, (c.tile_k, c.tile_n)), _pad(a, (16, c.tile_n)),
+                _pad(b, (c.tile_k, 16)), scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
+                mode="dx", out_dtype=jnp.dtype(out_dtype), emit_rank=return_sg)
     if return_sg:
-        return out[0].reshape(*lead, w.shape[1]), out[1].reshape(*lead, a.shape[0])
-    return out.reshape(*lead, w.shape[1])
+        return out[0][:m, :k].reshape(*lead, k), out[1][:m, :r].reshape(*lead, r)
+    return out[:m, :k].reshape(*lead, k)
