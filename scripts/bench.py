@@ -418,10 +418,10 @@ def _lora_proj_variants(on_gpu: bool) -> dict[str, Callable]:
     if on_gpu:
         from jaxgrad.ops.lora_linear_mgpu import TileConfig
 
-        fly, rx = TileConfig(wgmma_in_flight=1), TileConfig(rank_from_xla=True)
-        v = {"mosaic-gpu fused": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s),
-             "mosaic-gpu fused, wgmma in flight": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s, fly),
-             "mosaic-gpu, sU from XLA": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s, rx), **v}
+        fly, rk = TileConfig(wgmma_in_flight=1), TileConfig(rank_from_xla=False)
+        v = {"mosaic-gpu (sU from XLA, default)": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s),
+             "mosaic-gpu, wgmma in flight": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s, fly),
+             "mosaic-gpu fused (U in the K loop)": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s, rk), **v}
     return v
 
 
@@ -440,14 +440,14 @@ def _lora_proj_dx_variants(on_gpu: bool) -> dict[str, Callable]:
     if on_gpu:
         from jaxgrad.ops.lora_linear_mgpu import TileConfig
 
-        fly, rx, bf16 = TileConfig(wgmma_in_flight=1), TileConfig(rank_from_xla=True), jnp.bfloat16
-        v = {"mosaic-gpu fused dX": lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s),
-             "mosaic-gpu fused dX, bf16 out (mosaic block default)":
+        fly, rk, bf16 = TileConfig(wgmma_in_flight=1), TileConfig(rank_from_xla=False), jnp.bfloat16
+        v = {"mosaic-gpu dX, fp32 out": lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s),
+             "mosaic-gpu dX, bf16 out (sG from XLA; mosaic block default)":
                  lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16),
-             "mosaic-gpu fused dX, bf16 out, wgmma in flight":
+             "mosaic-gpu dX, bf16 out, wgmma in flight":
                  lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=fly),
-             "mosaic-gpu dX, bf16 out, sG from XLA":
-                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=rx),
+             "mosaic-gpu fused dX, bf16 out (G in the K loop)":
+                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=rk),
              **_mosaic_example_variants(), **v}
     return v
 

@@ -402,14 +402,17 @@ def describe(mod: HloModule, name: str) -> OpInfo:
         info.detail = f"{'%dx' % b if b > 1 else ''}{m}x{n}x{k} {ldt}.{rdt}->{arrays(ins.shape)[0][0] if arrays(ins.shape) else '?'}"
         return info
     if ins.opcode == "custom-call" and "mosaic_gpu" in target.lower():
-        # a jaxgrad.ops.lora_linear_mgpu kernel, L R1 + (s L R2) R3: operands L [M, Kc], R1, R2^T [r, Kc], R3^T;
-        # results Y [M, N] (and the rank-r side output [M, r]). FLOPs: the base product, the r-wide U (or G) from
-        # the same L tiles and the epilogue's rank-r product
-        outs, lhs, r2t = arrays(ins.shape), arrays(operand_shapes[0]), arrays(operand_shapes[2])
-        if outs and lhs and r2t and len(lhs[0][1]) == 2 and len(outs[0][1]) == 2:
-            (ldt, (m_, kc)), (odt, (_, n_)), r_ = lhs[0], outs[0], r2t[0][1][0]
-            info.flops = 2.0 * m_ * kc * (n_ + r_) + 2.0 * m_ * r_ * n_
-            info.detail = f"{m_}x{n_}x{kc} r{r_} {ldt}->{odt}"
+        # a jaxgrad.ops.lora_linear_mgpu kernel, L R1 + (s L R2) R3: operands L [M, Kc], R1, then R2^T [r, Kc] (U or
+        # G from the same L tiles in the K loop) or the rank-r product s L R2 [M, r] itself (computed by XLA,
+        # TileConfig.rank_from_xla), then R3^T; results Y [M, N] (and the rank-r side output [M, r]). FLOPs: the
+        # base product, the r-wide U (or G) where the kernel forms it, and the epilogue's rank-r product
+        outs, lhs, third = arrays(ins.shape), arrays(operand_shapes[0]), arrays(operand_shapes[2])
+        if outs and lhs and third and len(lhs[0][1]) == 2 and len(outs[0][1]) == 2:
+            (ldt, (m_, kc)), (odt, (_, n_)) = lhs[0], outs[0]
+            rank_in = third[0][1][0] == m_ and third[0][1][1] != kc
+            r_ = third[0][1][1] if rank_in else third[0][1][0]
+            info.flops = 2.0 * m_ * kc * (n_ + (0 if rank_in else r_)) + 2.0 * m_ * r_ * n_
+            info.detail = f"{m_}x{n_}x{kc} r{r_}{' in' if rank_in else ''} {ldt}->{odt}"
         info.kind, info.category = "gemm", "Mosaic GPU gemm+lora bf16"
         return info
     if ins.opcode == "custom-call":

@@ -47,6 +47,7 @@ def test_variant_names_and_a_failing_child_comes_back_as_a_row():
     assert bench._jax_spec("custom_vjp cudnn mosaic-no-rank") == ("mosaic", "cudnn", False)
     assert bench._jax_spec("custom_vjp cudnn mosaic-f32-dx") == ("mosaic", "cudnn", False)
     assert bench.mosaic_kernel_options("mosaic-in-flight")["mosaic_tiles"].wgmma_in_flight == 1
+    assert not bench.mosaic_kernel_options("mosaic-rank-in-kernel")["mosaic_tiles"].rank_from_xla
     assert bench._jax_spec("custom_vjp sdpa(xla) nf4") == ("xla", "sdpa:xla", True)
     assert bench._jax_spec("jax.grad(reference) cudnn") == ("reference", "cudnn", False)
     assert "custom_vjp pallas-attn" in on_gpu and bench._jax_spec("custom_vjp pallas-attn") == ("xla", "pallas", False)

@@ -10,6 +10,7 @@ kernel's RMS error to be within 1.5x XLA's.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +82,11 @@ def test_odd_sizes_lower_through_zero_padding(mode, monkeypatch):
     assert "tensor<256x" in call.split("->")[-1]  # the padded rows
 
 
+# the default (rank-r product from XLA, a plain-GEMM K loop), the same with one step's wgmma in flight, and the
+# kernel computing U / G in its K loop beside the main product (rank-in-kernel), also with in-flight wgmma
 CONFIGS = {"default": TileConfig(), "in-flight": TileConfig(wgmma_in_flight=1),
-           "rank-from-xla": TileConfig(rank_from_xla=True),
-           "rank-from-xla-in-flight": TileConfig(rank_from_xla=True, wgmma_in_flight=1)}
+           "rank-in-kernel": TileConfig(rank_from_xla=False),
+           "rank-in-kernel-in-flight": TileConfig(rank_from_xla=False, wgmma_in_flight=1)}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -112,20 +115,27 @@ def test_tile_config_names_a_bad_pipelining():
 
 @pytest.mark.parametrize("mode", ["fwd", "dx"])
 def test_the_rank_side_output_lowers_as_a_second_result(mode):
-    # emit_rank: the kernel returns (Y, s L R2) with the [M, r] product in the operand dtype
+    # emit_rank with the rank-r product computed in the K loop (rank_from_xla=False): the kernel returns (Y, s L R2)
+    # with the [M, r] product in the operand dtype; by default XLA computes it and the kernel reads it (one result)
     m, k, n = 512, 256, 384
     shapes = [(m, k), (n, k), (16, k), (n, 16)] if mode == "fwd" else [(m, n), (n, k), (16, k), (n, 16)]
     spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     out = {} if mode == "fwd" else {"out_dtype": jnp.dtype(jnp.float32)}
+    y_type = f"tensor<{m}x{n if mode == 'fwd' else k}x{'bf16' if mode == 'fwd' else 'f32'}>"
+    text = _call.trace(*spec, scale=SCALE, config=CONFIGS["rank-in-kernel"], num_sms=132, mode=mode, emit_rank=True,
+                       **out).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert call.split("->")[-1].strip().startswith(f"({y_type}, tensor<{m}x16xbf16>)"), call.split("->")[-1]
+    # the default: the kernel reads the [M, r] product (an operand) and returns Y alone
     text = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132, mode=mode, emit_rank=True,
                        **out).lower(lowering_platforms=("cuda",)).as_text()
     (call,) = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    y_type = f"tensor<{m}x{n if mode == 'fwd' else k}x{'bf16' if mode == 'fwd' else 'f32'}>"
-    assert call.split("->")[-1].strip().startswith(f"({y_type}, tensor<{m}x16xbf16>)"), call.split("->")[-1]
+    operand_types = re.search(r": \(([^()]*)\) -> [^>]*>$", call).group(1)
+    assert call.split("->")[-1].strip().startswith(y_type) and f"tensor<{m}x16xbf16>" in operand_types
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "in-flight", "rank-from-xla"])
+@pytest.mark.parametrize("config", ["default", "in-flight", "rank-in-kernel"])
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (768, 320, 384), (8192, 2048, 1024), (8192, 5632, 2048)])
 def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn, config):
     m, k, n = mkn
@@ -144,7 +154,7 @@ def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "rank-from-xla"])
+@pytest.mark.parametrize("config", ["default", "rank-in-kernel"])
 def test_gpu_odd_sizes_through_padding_match_the_formula(config):
     # batch 2 x seq 77 rows, hidden 96, out 160, r 4: every size off the tiles; forward and bf16 dX against their
     # error models, and the rank-r side outputs within two roundings of the exact products
@@ -190,8 +200,9 @@ def _dx_bound_and_truth(dy, w, a, b, s, u_out=U_F32):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype,config", [(jnp.float32, "default"), (jnp.bfloat16, "default"),
-                                              (jnp.bfloat16, "in-flight"), (jnp.bfloat16, "rank-from-xla")],
-                         ids=["f32", "bf16", "bf16-in-flight", "bf16-rank-from-xla"])
+                                              (jnp.bfloat16, "in-flight"), (jnp.bfloat16, "rank-in-kernel"),
+                                              (jnp.float32, "rank-in-kernel")],
+                         ids=["f32", "bf16", "bf16-in-flight", "bf16-rank-in-kernel", "f32-rank-in-kernel"])
 @pytest.mark.parametrize("mnk", [(512, 128, 256), (768, 320, 384), (8192, 1024, 2048), (8192, 2048, 5632)])
 def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk, out_dtype, config):
     # dX = dY W + (s dY B) A for dy [M, N], w [N, K]: the block's backward product, fp32 or bf16 out (the block's
@@ -225,12 +236,12 @@ def _rank_bound(lhs, rhs_t, s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "rank-from-xla"])
+@pytest.mark.parametrize("config", ["default", "rank-in-kernel"])
 @pytest.mark.parametrize("mkn", [(768, 384, 640), (8192, 2048, 1024)])  # shapes both kernels take
 def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn, config):
     # sU = s X A^T and sG = s dY B as the epilogues used them: within two roundings of the exact product (every row
-    # block written, none shifted), and the main result unchanged by asking for them (rank-from-xla: XLA's product,
-    # which the epilogue read)
+    # block written, none shifted), and the main result unchanged by asking for them (by default XLA's product, which
+    # the epilogue read; rank-in-kernel: the kernel's own, stored by the CTAs of the first column tile)
     m, k, n = mkn
     cfg = CONFIGS[config]
     x, w, a, b = _operands(sum(mkn) + 1, m, k, n, 16)

@@ -65,6 +65,8 @@ ENTRY %main.1 (x.1: bf16[8192,2048], w.1: bf16[2048,2048], dy.1: f32[8192,2048],
   %at.1 = bf16[2048,16]{1,0} parameter(7)
   %dyb.1 = bf16[8192,2048]{1,0} parameter(8)
   %custom-call.9 = (f32[8192,2048]{1,0}, bf16[8192,16]{1,0}) custom-call(%dyb.1, %w.1, %bt.1, %at.1), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(fwd_bwd)/transpose(jvp())/mosaic_gpu_call" stack_frame_id=1}
+  %sg.1 = bf16[8192,16]{1,0} parameter(9)
+  %custom-call.10 = bf16[8192,2048]{1,0} custom-call(%dyb.1, %w.1, %sg.1, %at.1), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(fwd_bwd)/transpose(jvp())/mosaic_gpu_call" stack_frame_id=1}
   ROOT %get-tuple-element.1 = f32[8192,2048]{1,0} get-tuple-element(%custom-call.5), index=0
 }
 """
@@ -87,6 +89,10 @@ def test_parse_hlo_and_describe():
     assert mos.kind == "gemm" and mos.category == "Mosaic GPU gemm+lora bf16"
     assert mos.flops == 2.0 * 8192 * 2048 * (2048 + 16) + 2.0 * 8192 * 16 * 2048
     assert mos.detail == "8192x2048x2048 r16 bf16->f32"
+    # the same kernel reading sG computed by XLA (TileConfig.rank_from_xla, the default): no r-wide product inside
+    mos = lp.describe(mod, "custom-call.10")
+    assert mos.flops == 2.0 * 8192 * 2048 * 2048 + 2.0 * 8192 * 16 * 2048
+    assert mos.detail == "8192x2048x2048 r16 in bf16->bf16"
 
     att = lp.describe(mod, "custom-call.7")
     assert att.category == "cuDNN attention fwd"

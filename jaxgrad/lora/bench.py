@@ -100,8 +100,8 @@ JAX_VARIANTS = {
     "custom_vjp cudnn mosaic-in-flight": ("mosaic", "cudnn", False),
     # K, V repeated to the q heads for cuDNN's MHA kernels (BlockKernels.cudnn_repeat_kv; the default is GQA)
     "custom_vjp cudnn mosaic-kv-repeat": ("mosaic", "cudnn", False),
-    # the Mosaic GPU kernels reading sU / sG computed by XLA (TileConfig.rank_from_xla: a plain GEMM K loop)
-    "custom_vjp cudnn mosaic-rank-xla": ("mosaic", "cudnn", False),
+    # the Mosaic GPU kernels computing U / G in their K loop (TileConfig.rank_from_xla off; session 12-13's form)
+    "custom_vjp cudnn mosaic-rank-in-kernel": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
@@ -111,7 +111,7 @@ JAX_VARIANTS = {
     "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
 # the mosaic variants that are BlockKernels options rather than block() arguments
-MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight", "mosaic-kv-repeat", "mosaic-rank-xla")
+MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight", "mosaic-kv-repeat", "mosaic-rank-in-kernel")
 
 
 def mosaic_kernel_options(suffix: str) -> dict:
@@ -121,7 +121,7 @@ def mosaic_kernel_options(suffix: str) -> dict:
     return {"mosaic-no-rank": dict(mosaic_rank=False), "mosaic-f32-dx": dict(mosaic_dx_f32=True),
             "mosaic-in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1)),
             "mosaic-kv-repeat": dict(cudnn_repeat_kv=True),
-            "mosaic-rank-xla": dict(mosaic_tiles=TileConfig(rank_from_xla=True))}[suffix]
+            "mosaic-rank-in-kernel": dict(mosaic_tiles=TileConfig(rank_from_xla=False))}[suffix]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -134,7 +134,7 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic",
              "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank",
              "custom_vjp cudnn mosaic-f32-dx", "custom_vjp cudnn mosaic-in-flight", "custom_vjp cudnn mosaic-kv-repeat",
-             "custom_vjp cudnn mosaic-rank-xla",
+             "custom_vjp cudnn mosaic-rank-in-kernel",
              "custom_vjp pallas-attn")  # most wanted first (a budget may cut)
 
 

@@ -69,8 +69,11 @@ class TileConfig:
     # with 0, every step waits for its own products before the next is issued
     wgmma_in_flight: int = 0
     # the rank-r product (sU forward, sG for dX) computed by XLA first (a skinny GEMM, one more read of L) and read
-    # by the epilogue from HBM: the K loop is then a plain GEMM, one wgmma per step (no r-wide wgmma beside it)
-    rank_from_xla: bool = False
+    # by the epilogue from HBM: the K loop is then a plain GEMM, one wgmma per step. The default since session 14:
+    # on the H100 the r-wide wgmma beside the main one in every K step cost the kernels ~20% (the LoRA block's 14
+    # kernels 2.544 -> 2.067 ms, the extra skinny GEMMs +0.154 ms; block 4.496 -> 4.137 ms). False: U / G from the
+    # same L tiles in the K loop (L read once; session 12's kernel)
+    rank_from_xla: bool = True
 
     def __post_init__(self):
         if self.wgmma_in_flight not in (0, 1):
