@@ -110,6 +110,23 @@ def test_every_projection_takes_the_kernels_when_lowered_for_a_gpu(monkeypatch, 
     assert all("tensor<256x16xbf16>" in re.search(r": \(([^()]*)\) -> [^>]*>$", c).group(1) for c in calls)
 
 
+def _nf4(frozen):
+    """The frozen projection weights quantised to NF4 (bitsandbytes' blocksize 64), as QLoRA trains."""
+    from jaxgrad.lora.nf4 import nf4_quantize
+
+    return jax.tree.map(lambda w: nf4_quantize(np.asarray(w, np.float32), blocksize=64), frozen,
+                        is_leaf=lambda t: hasattr(t, "shape"))
+
+
+def test_nf4_weights_take_the_kernels_after_xla_dequantises_them(monkeypatch):
+    # QLoRA on the mosaic backend: each NF4 weight is dequantised by XLA (the XLA path's rounding), then the same
+    # 8 kernels run; the forward's and the backward's dequantisations are the same ops (merged by XLA's CSE)
+    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
+    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
+    frozen, norms, lora, x = _inputs(18, jnp.bfloat16)
+    assert len(_kernel_calls(_fn(_nf4(frozen)), x, lora, norms, lowering_platforms=("cuda",))) == 8
+
+
 def test_fp32_master_adapters_take_the_kernels_too(monkeypatch):
     # PEFT keeps adapters in fp32 on a bf16 model (the lora_model bench does too): the kernels take them rounded to
     # the activation dtype, forward and dX alike
@@ -186,13 +203,15 @@ def test_gpu_mosaic_block_at_odd_sizes_vjp_verified_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["default", "dx-f32", "in-flight", "rank-in-kernel"])
+@pytest.mark.parametrize("kind", ["default", "dx-f32", "in-flight", "rank-in-kernel", "nf4"])
 def test_gpu_mosaic_block_vjp_verified_bf16(kind):
     # default: bf16 dX kernels; dx-f32: BlockKernels.mosaic_dx_f32; in-flight: TileConfig(wgmma_in_flight=1)
     from jaxgrad.lora.kernels import BlockKernels
     from jaxgrad.ops.lora_linear_mgpu import TileConfig
 
     frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
+    if kind == "nf4":  # QLoRA: NF4 base weights, dequantised by XLA for the kernels (the reference dequantises too)
+        frozen, kind = _nf4(frozen), "default"
     opts = {"default": None, "dx-f32": dict(mosaic_dx_f32=True),
             "in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1)),
             "rank-in-kernel": dict(mosaic_tiles=TileConfig(rank_from_xla=False))}[kind]

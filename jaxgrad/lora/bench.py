@@ -91,6 +91,8 @@ JAX_VARIANTS = {
     "custom_vjp cudnn nf4 pallas": ("pallas", "cudnn", True),
     # issue #13: the dense projections' forward (and recompute) as one Mosaic GPU kernel each (backend="mosaic")
     "custom_vjp cudnn mosaic": ("mosaic", "cudnn", False),
+    # NF4 base weights on the mosaic backend: dequantised by XLA, then the same kernels
+    "custom_vjp cudnn nf4 mosaic": ("mosaic", "cudnn", True),
     "custom_vjp+low-memory cudnn mosaic": ("mosaic", "cudnn", False),
     # the session-12 Mosaic GPU kernels without their rank-r side outputs (dA / dB recompute U and G on XLA)
     "custom_vjp cudnn mosaic-no-rank": ("mosaic", "cudnn", False),
@@ -131,7 +133,7 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp+unfolded cudnn", "custom_vjp+grouped cudnn",
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
-             "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic",
+             "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic", "custom_vjp cudnn nf4 mosaic",
              "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank",
              "custom_vjp cudnn mosaic-f32-dx", "custom_vjp cudnn mosaic-in-flight", "custom_vjp cudnn mosaic-kv-repeat",
              "custom_vjp cudnn mosaic-rank-in-kernel",

@@ -16,8 +16,8 @@ r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.bl
   term and round once, as on the XLA path. The frozen base gets no gradient (as always).
 * **Everything else** (attention, RoPE, SwiGLU, the LoRA rank-r matmuls, dense base weights) stays on XLA.
 
-``backend="mosaic"`` (issue #13, Hopper): each dense projection's forward with an adapter -- in the forward and in
-the backward's recompute -- is :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel
+``backend="mosaic"`` (issue #13, Hopper): each projection's forward with an adapter (a dense weight, or an NF4 one
+dequantised to the activation dtype by XLA first) -- in the forward and in the backward's recompute -- is :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel
 computing ``X W^T + s (X A^T) B^T`` with ``fold_lora_b``'s arithmetic (``sU`` rounded once to the operand dtype,
 one rounding of ``Y``), where the call qualifies (a GPU, 16-bit operands, no dropout mask, ``fold_lora_b``; sizes
 off the kernels' tiles are zero-padded by the kernels' wrappers); and each such projection's ``dX = dY W + (s dY B)
@@ -114,10 +114,11 @@ class BlockKernels:
         return rms_norm_bwd(x, w, rstd, dh, dx_dtype)
 
     def _mosaic(self, w, a, keep_scale) -> bool:
-        """Whether a projection may take the Mosaic GPU kernels: the mosaic backend on a GPU, a dense weight, an
-        adapter and no dropout mask (the shapes and dtypes are the kernels' own ``supported`` checks)."""
-        return (self.backend == "mosaic" and a is not None and keep_scale is None and not isinstance(w, NF4Weight)
-                and _on_gpu())
+        """Whether a projection may take the Mosaic GPU kernels: the mosaic backend on a GPU, an adapter and no
+        dropout mask (the shapes and dtypes are the kernels' own ``supported`` checks). An NF4 weight is dequantised
+        by XLA to the activation dtype first (``base_weight``: the XLA path's rounding; the forward's and the
+        backward's dequantisations are one after XLA's CSE in a training step)."""
+        return self.backend == "mosaic" and a is not None and keep_scale is None and _on_gpu()
 
     def lora_fwd(self, h, w, a, b, scale, keep_scale):
         """``(Y, sU)``: the projection's output and ``s h A^T`` (rounded once to the operand dtype, for the
@@ -125,8 +126,10 @@ class BlockKernels:
         does not qualify and the XLA path computes it."""
         if not (self.fold_b and self._mosaic(w, a, keep_scale)):
             return None
+        from jaxgrad.lora.block import base_weight
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu, supported
 
+        w = base_weight(w, h.dtype)  # an NF4 weight dequantised (a dense one as it is)
         a, b = a.astype(h.dtype), b.astype(h.dtype)  # fp32 master adapters: operands in the activation dtype,
         # as the dX kernel takes them and as PEFT's autocast does (a bf16 adapter is unchanged)
         cfg = self._tiles()
@@ -144,8 +147,10 @@ class BlockKernels:
         does not qualify."""
         if not self._mosaic(w, a, keep_scale):
             return None
+        from jaxgrad.lora.block import base_weight
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_dx_mgpu, supported_dx
 
+        w = base_weight(w, dtype)  # an NF4 weight dequantised (a dense one as it is)
         d2 = dy.reshape(-1, dy.shape[-1]).astype(dtype)
         a, b = a.astype(dtype), b.astype(dtype)
         out_dtype = jnp.promote_types(dtype, jnp.float32) if self.mosaic_dx_f32 else dtype
