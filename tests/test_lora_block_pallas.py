@@ -135,6 +135,16 @@ def test_nf4_base_is_never_dequantised_in_the_pallas_graph():
     assert all(d in text("xla") for d in dense)  # the probe sees them where the XLA path does dequantise
 
 
+def test_pallas_block_runs_swiglu_and_rmsnorm_as_kernels():
+    # the forward and backward jaxprs name the Pallas kernels: SwiGLU (session 14) and both RMSNorms, each way
+    params, lora, x = make_block(5, jnp.bfloat16)
+    f = lambda ad, x: block(params, ad, x, CFG, LCFG, backend="pallas", interpret=True)  # noqa: E731
+    text = str(jax.make_jaxpr(lambda ad, x, c: jax.vjp(f, ad, x)[1](c))(lora, x, x))
+    assert "swiglu_fwd" in text and "swiglu_bwd" in text
+    xla = lambda ad, x: block(params, ad, x, CFG, LCFG)  # noqa: E731
+    assert "swiglu_fwd" not in str(jax.make_jaxpr(lambda ad, x, c: jax.vjp(xla, ad, x)[1](c))(lora, x, x))
+
+
 def test_pallas_block_float64_equals_jax_grad_of_reference():
     # float64 runs only in interpret mode; dense q/k/v and NF4 o/gate/up/down (partial last blocks) together
     with jax.enable_x64(True):

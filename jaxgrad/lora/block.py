@@ -82,7 +82,7 @@ hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16)
 among others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
 
 ``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates
-it); ``"pallas"`` is this VJP with both RMSNorms and the NF4 base products as Pallas kernels
+it); ``"pallas"`` is this VJP with both RMSNorms, SwiGLU and the NF4 base products as Pallas kernels
 (:mod:`jaxgrad.lora.kernels`; the same saved statistics); ``"mosaic"`` is this VJP with each dense projection's
 forward (and its recompute) as one Mosaic GPU kernel on Hopper (:mod:`jaxgrad.ops.lora_linear_mgpu`). ``attention="cudnn"`` runs the attention core through
 ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``
@@ -107,7 +107,6 @@ from jaxgrad.ops.flash_attention import flash_attention, flash_attention_bwd, fl
 from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_linear_fwd, lora_linear_reference
 from jaxgrad.ops.rmsnorm import rms_norm_reference
 from jaxgrad.ops.rope import apply_rope_reference, rope_bwd_x, rope_cos_sin, rope_fwd
-from jaxgrad.ops.swiglu import _bwd_math as swiglu_bwd_math
 from jaxgrad.ops.swiglu import swiglu_reference
 
 __all__ = ["base_weight", "block", "block_reference", "validate_block_inputs"]
@@ -350,7 +349,7 @@ def _recompute_mlp(cfg, params, x2, r2, projs, kern=XLA):
     """The MLP half of the forward from ``x_2``: ``h_2``, ``e``, ``u``, ``m`` (and ``r_2``)."""
     h2, r2 = kern.norm(x2, params["post_attention_layernorm"]["weight"], cfg.rms_norm_eps, r2)
     e, u = projs(h2, GATE_UP)
-    return dict(h2=h2, e=e, u=u, m=swiglu_reference(e, u), r2=r2)
+    return dict(h2=h2, e=e, u=u, m=kern.swiglu(e, u), r2=r2)
 
 
 def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
@@ -421,7 +420,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     # residual 2: y = x2 + down(m)  ->  dx2 starts as dy
     dm = projs_bwd(act["m"], DOWN, [dy])
     # SwiGLU: de = dm u silu'(e), du = dm silu(e), silu'(e) = sigma(e) (1 + e (1 - sigma(e)))
-    de, du = swiglu_bwd_math(act["e"].astype(cdt), act["u"].astype(cdt), dm)
+    de, du = kern.swiglu_bwd(act["e"], act["u"], dm, cdt)
     dh2 = projs_bwd(act["h2"], GATE_UP, [de, du])
     # post-attention RMSNorm: dx2 += r2 (g - n2 mean(g n2)), dw_post = sum dh2 n2
     dx2_norm, dw_post = kern.norm_bwd(x2, params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
@@ -480,9 +479,9 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       positions: ``[seq]`` or ``[batch, seq]`` integer positions (default ``arange(seq)``).
       attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding).
       dropout_key: PRNG key for ``lcfg.lora_dropout`` (no dropout without one); each module folds in its index.
-      backend: ``"xla"`` (the custom VJP), ``"pallas"`` (the same VJP with both RMSNorms and the NF4 base products
-        as Pallas kernels, :mod:`jaxgrad.lora.kernels`), ``"mosaic"`` (the same VJP with the dense projections'
-        forward as a Mosaic GPU kernel where a call qualifies, else XLA) or ``"reference"``
+      backend: ``"xla"`` (the custom VJP), ``"pallas"`` (the same VJP with both RMSNorms, SwiGLU and the NF4 base
+        products as Pallas kernels, :mod:`jaxgrad.lora.kernels`), ``"mosaic"`` (the same VJP with each projection's
+        forward and dX as Mosaic GPU kernels where a call qualifies, else XLA) or ``"reference"``
         (:func:`block_reference`, for ``jax.grad``).
       attention: ``"xla"`` (our attention VJP; the plain attention for ``"reference"``), ``"cudnn"``
         (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``) or

@@ -14,7 +14,10 @@ r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.bl
   weight element is rounded to the activation dtype, as ``base_weight(w, dtype)`` does on the XLA path, and both
   products come back unrounded in fp32 so that :func:`lora_linear_fwd` / :func:`lora_linear_bwd` add the LoRA
   term and round once, as on the XLA path. The frozen base gets no gradient (as always).
-* **Everything else** (attention, RoPE, SwiGLU, the LoRA rank-r matmuls, dense base weights) stays on XLA.
+* **SwiGLU** (session 14): the forward ``m = silu(e) u`` and the backward ``de = dm u silu'(e)``, ``du = dm
+  silu(e)`` as the elementwise Pallas kernels of :mod:`jaxgrad.ops.swiglu` (fp32 arithmetic; ``m`` and ``de``, ``du``
+  rounded once to the activation dtype; the fp32 ``dm`` read unrounded).
+* **Everything else** (attention, RoPE, the LoRA rank-r matmuls, dense base weights) stays on XLA.
 
 ``backend="mosaic"`` (issue #13, Hopper): each projection's forward with an adapter (a dense weight, or an NF4 one
 dequantised to the activation dtype by XLA first) -- in the forward and in the backward's recompute -- is :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel
@@ -42,6 +45,8 @@ import jax.numpy as jnp
 from jaxgrad.lora.nf4 import NF4Weight, nf4_absmax
 from jaxgrad.ops import nf4_matmul  # the module, not its names: jaxgrad.ops.nf4_matmul imports jaxgrad.lora
 from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_pallas, rms_norm_fwd_pallas, rms_norm_rstd
+from jaxgrad.ops.swiglu import _bwd_math as swiglu_bwd_math
+from jaxgrad.ops.swiglu import swiglu_bwd_pallas, swiglu_fwd_pallas, swiglu_reference
 
 __all__ = ["BACKENDS", "BlockKernels"]
 
@@ -165,6 +170,22 @@ class BlockKernels:
         from jaxgrad.ops.lora_linear_mgpu import TileConfig
 
         return TileConfig() if self.mosaic_tiles is None else self.mosaic_tiles
+
+    def swiglu(self, e, u):
+        """``m = silu(e) u``: the Pallas kernel on the pallas backend (fp32 arithmetic, one rounding to e's dtype;
+        float64 compiled for a GPU takes the XLA path, as the NF4 kernels do), else the plain reference (HF's
+        ``act_fn(gate) * up`` in the activation dtype)."""
+        if self.pallas and not nf4_matmul.compiled_f64(e.dtype, self.interpret):
+            return swiglu_fwd_pallas(e, u, interpret=self.interpret)
+        return swiglu_reference(e, u)
+
+    def swiglu_bwd(self, e, u, dm, cdt):
+        """``(de, du)``: ``de = dm u silu'(e)``, ``du = dm silu(e)``, ``silu'(e) = sigma(e) (1 + e (1 - sigma(e)))``.
+        The Pallas kernel (pallas backend) reads the fp32 ``dm`` unrounded and writes ``de``, ``du`` in e's dtype
+        (the projections' products take them in that dtype anyway); else XLA, in ``cdt``."""
+        if self.pallas and not nf4_matmul.compiled_f64(e.dtype, self.interpret):
+            return swiglu_bwd_pallas(e, u, dm, interpret=self.interpret)
+        return swiglu_bwd_math(e.astype(cdt), u.astype(cdt), dm)
 
     def nf4_kernel(self, w) -> bool:
         return self.pallas and isinstance(w, NF4Weight)

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jaxgrad import pallas_backend as pb
 
 Backend = Literal["xla", "pallas"]
-__all__ = ["swiglu", "swiglu_reference"]
+__all__ = ["swiglu", "swiglu_bwd_pallas", "swiglu_fwd_pallas", "swiglu_reference"]
 
 
 def swiglu_reference(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -111,6 +111,18 @@ def _elementwise_call(kernel, inputs, n_out, name, interpret, block_rows, block_
         interpret=interpret,
     )
     return [o.reshape(x0.shape) for o in call(*[_as_2d(x) for x in inputs])]
+
+
+def swiglu_fwd_pallas(gate, up, *, interpret=None, block_rows: int = 16, block_cols: int = 256):
+    """``silu(gate) * up`` by the forward kernel (fp32 arithmetic, one rounding to gate's dtype); no VJP: the
+    LoRA block's ``backend="pallas"`` calls it and :func:`swiglu_bwd_pallas` from its own VJP."""
+    return _elementwise_call(_fwd_kernel, (gate, up), 1, "swiglu_fwd", interpret, block_rows, block_cols)[0]
+
+
+def swiglu_bwd_pallas(gate, up, dy, *, interpret=None, block_rows: int = 16, block_cols: int = 256):
+    """``(d gate, d up)`` by the backward kernel, written in gate's dtype; ``dy`` is read in its own dtype (the
+    LoRA block passes its fp32 sums unrounded), all arithmetic in ``promote_types(dtype, float32)``."""
+    return tuple(_elementwise_call(_bwd_kernel, (gate, up, dy), 2, "swiglu_bwd", interpret, block_rows, block_cols))
 
 
 # ---------------------------------------------------------------------------------------------------------------
