@@ -8,28 +8,31 @@ transposes: a 16-wide untransposed ``wgmma`` operand does not lower).
 What it computes is :func:`jaxgrad.ops.lora_linear.lora_linear_fwd` with ``fold_b=True`` (the LoRA block's default),
 :math:`Y = [X \,|\, sU] [W \,|\, B]^\top` with :math:`U = X A^\top`: one fp32 accumulator per output tile, ``sU``
 rounded once to the operand dtype, one rounding of ``Y``. XLA runs that as three kernels (the skinny ``X A^T``, the
-concatenations ``[X | sU]`` and ``[W | B]``, written to HBM each step, and the GEMM). Here one pass over ``X``
-feeds both products:
+concatenations ``[X | sU]`` and ``[W | B]``, written to HBM each step, and the GEMM). Here:
 
 * a warp-specialised pipeline (``plgpu.emit_pipeline_warp_specialized``, after JAX's ``hopper_matmul_mgpu.py``)
-  streams, for K-step ``k``, the tiles ``X[m, k]``, ``W[n, k]`` and ``A[:, k]`` into shared memory (TMA);
-* each of the two compute warpgroups owns ``tile_m`` rows of the CTA's ``2 tile_m`` and issues two ``wgmma`` per
-  step: ``acc += X_k W_k^T`` (``tile_m x tile_n``, fp32 in registers) and ``u += X_k A_k^T`` (``tile_m x r``: the
-  LoRA ``U`` of its rows, an extra ``r / tile_n`` = 12.5% of the tensor-core work at r = 16, tile_n = 128; no
-  second read of ``X``);
-* the epilogue rounds ``sU`` to the operand dtype into shared memory, brings ``B[n, :]`` (``tile_n x r``) in by
-  TMA, issues one more ``wgmma`` ``acc += (sU) B^T`` (contraction ``r``) and stores ``Y`` through shared memory in
-  ``epi_tile`` pieces.
+  streams, for K-step ``k``, the tiles ``X[m, k]`` and ``W[n, k]`` into shared memory (TMA);
+* each of the two compute warpgroups owns ``tile_m`` rows of the CTA's ``2 tile_m`` and issues one ``wgmma`` per
+  step, ``acc += X_k W_k^T`` (``tile_m x tile_n``, fp32 in registers);
+* ``sU`` (``[M, r]``) comes from a skinny XLA GEMM beforehand (``TileConfig.rank_from_xla``, the default since
+  session 14); the epilogue brings the warpgroup's rows of it and ``B[n, :]`` (``tile_n x r``) in by TMA (in flight
+  during the K loop), issues one more ``wgmma`` ``acc += (sU) B^T`` (contraction ``r``) and stores ``Y`` through
+  shared memory in ``epi_tile`` pieces.
 
-Registers per compute thread: the accumulator ``tile_m tile_n / 128`` fp32 (128 at 128 x 128) plus ``u``'s
-``tile_m r / 128`` (16). Shared memory: ``max_concurrent_steps`` stages of ``(2 tile_m + tile_n + r) tile_k``
-operands (3 x 50 KiB at 128/128/64, r = 16), ``sU`` and ``B`` tiles, two epilogue slots per warpgroup.
+``TileConfig(rank_from_xla=False)`` is session 12's form: ``A[:, k]`` streamed too and a second ``wgmma``
+``u += X_k A_k^T`` (``tile_m x r``) in every K step, from the same ``X`` tiles (``X`` read once); on the H100 that
+16-wide ``wgmma`` cost the kernel ~20% (NOTES.md, session 14), more than the extra read of ``X`` by XLA.
 
-The backward kernel writes ``dX`` in fp32 by default (the LoRA block's gradient sums are fp32); ``s G`` (``G = dY
-B``) is rounded once to the operand dtype before ``G A``, as ``sU`` is forward. ``dA`` and ``dB`` stay on XLA; each
-kernel can also write its rank-r product as rounded (``sU`` forward, ``sG`` for dX; ``[M, r]``, one TMA store per
-row block from the CTAs of the first column tile), so that ``dB = dY^T (sU)`` and ``dA = (sG)^T X`` need no second
-pass over ``X`` or ``dY`` for the skinny products.
+Registers per compute thread: the accumulator ``tile_m tile_n / 128`` fp32 (128 at 128 x 128; plus ``u``'s 16 in
+the in-loop form). Shared memory: ``max_concurrent_steps`` stages of ``(2 tile_m + tile_n) tile_k`` operands (3 x 48
+KiB at 128/128/64; 50 KiB with ``A``'s tile), ``sU`` and ``B`` tiles (16 KiB), two epilogue slots per warpgroup
+(32 KiB): 192 KiB of the 227.
+
+The backward kernel writes ``dX`` in fp32 by default here (the LoRA block asks for the operand dtype since session
+14, its sums stay fp32); ``s G`` (``G = dY B``) is rounded once to the operand dtype before ``G A``, as ``sU`` is
+forward. ``dA`` and ``dB`` stay on XLA; each kernel can also return its rank-r product as rounded (``sU`` forward,
+``sG`` for dX; ``[M, r]``: XLA's, or in the in-loop form one TMA store per row block from the CTAs of the first
+column tile), so that ``dB = dY^T (sU)`` and ``dA = (sG)^T X`` need no second pass over ``X`` or ``dY``.
 
 Scope: bf16 or f16 operands (``wgmma`` on 16-bit types; f32 would be TF32), no dropout mask. The kernel itself
 takes shapes divisible by its tiles (rows ``% 2 tile_m``, output columns ``% tile_n``, contraction ``% tile_k``,
