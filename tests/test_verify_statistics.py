@@ -476,3 +476,24 @@ def test_a_few_one_signed_flips_on_heavy_entries_are_no_scale_false_alarm():
     assert absorbed < -0.01  # what the first start alone makes of it
     bad = leaf_statistics(e + 0.05 * g, r, g, "bf16", kink=kink)
     assert "scale" in bad.failed and bad.beta > 0.03, bad.summary()  # the flips still pull it by ~-1.4%
+
+
+def test_leaf_norms_do_not_overflow_at_huge_magnitudes():
+    # sum|terms| of a bf16 LoRA block reached past 1e154 on the GPU (RMSNorm and softmax chains plus kink jumps):
+    # np.linalg.norm squared them to inf (numpy's overflow warning) and a leaf's kappa read inf. norm2 scales first
+    import warnings
+
+    from jaxgrad.verify import precision as prec
+    from jaxgrad.verify.core import _leaf_result, _rel_err, norm2
+
+    m = np.full((4, 5), 3e200)
+    assert norm2(m) == pytest.approx(3e200 * np.sqrt(20), rel=1e-12)
+    assert norm2(np.full(7, 1e-200)) == pytest.approx(1e-200 * np.sqrt(7), rel=1e-12)  # no underflow either
+    assert norm2(np.zeros(3)) == 0.0 and norm2(np.array([1.0, np.inf])) == np.inf
+    g = np.full((4, 5), 1e170)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _rel_err(g * (1 + 1e-3), g) == pytest.approx(1e-3, rel=1e-9)
+        leaf = _leaf_result("w", "bf16", g * (1 + 1e-3), g, m, prec.ErrorModel("bf16", 4.0, "test"), 10)
+    assert np.isfinite(leaf.kappa) and leaf.kappa == pytest.approx(3e30, rel=1e-9)
+    assert leaf.cosine == pytest.approx(1.0)

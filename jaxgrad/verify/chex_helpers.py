@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.verify import precision as prec
+from jaxgrad.verify.core import norm2
 from jaxgrad.verify.magnitude import magnitudes
 
 __all__ = ["LooseToleranceWarning", "ReferenceBounds", "assert_tree_matches_reference", "default_precision",
@@ -193,8 +194,8 @@ def reference_bounds(reference: Callable[..., Any], *args: Any, precision: str =
     for v, m, n, k in zip(values, mags.magnitudes, mags.terms, kinks, strict=True):
         m = np.asarray(m, np.float64)
         tol.append(model.bound(n) * m + np.asarray(k, np.float64))
-        vn = float(np.linalg.norm(v))
-        kappa.append(float(np.linalg.norm(m)) / vn if vn > 0 else float("inf"))
+        vn = norm2(v)
+        kappa.append(norm2(m) / vn if vn > 0 else float("inf"))
     bounds = ReferenceBounds(expected=jax.tree.unflatten(out_def, values),
                              tolerance=jax.tree.unflatten(out_def, tol), model=model,
                              terms=tuple(int(n) for n in mags.terms), kappa=tuple(kappa),

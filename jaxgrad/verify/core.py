@@ -161,10 +161,22 @@ def _normalized_error(a: np.ndarray, b: np.ndarray, m: np.ndarray) -> np.ndarray
     return np.abs(a - b) / (m + tiny)
 
 
+def norm2(x) -> float:
+    """``||x||_2`` in float64 without overflow or underflow: scaled by ``max|x|`` first. ``np.linalg.norm`` squares
+    the entries, so past ~1e154 its sum is inf: the magnitudes ``sum|terms|`` of a bf16 LoRA block on the GPU (RMSNorm
+    and softmax chains, plus kink jumps) got there, and a leaf's ``kappa`` read inf with numpy's overflow warning.
+    Non-finite entries give inf (or nan), as ``np.linalg.norm`` does."""
+    x = np.asarray(x, np.float64).ravel()
+    s = float(np.max(np.abs(x), initial=0.0))
+    if s == 0.0 or not math.isfinite(s):
+        return float(np.linalg.norm(x)) if not math.isfinite(s) else 0.0
+    return s * float(np.linalg.norm(x / s))
+
+
 def _rel_err(g: np.ndarray, r: np.ndarray) -> float:
     """Normwise relative error ||g - r|| / ||r|| (0 when both are zero, inf when only r is)."""
-    rn, gn = float(np.linalg.norm(r)), float(np.linalg.norm(g))
-    return float(np.linalg.norm(g - r)) / rn if rn > 0 else (0.0 if gn == 0 else math.inf)
+    rn, gn = norm2(r), norm2(g)
+    return norm2(g - r) / rn if rn > 0 else (0.0 if gn == 0 else math.inf)
 
 
 def _leaf_result(name, run, g, r, m, model: prec.ErrorModel, n_terms: int, stats=None, kink=None,
@@ -180,9 +192,10 @@ def _leaf_result(name, run, g, r, m, model: prec.ErrorModel, n_terms: int, stats
     if kink is not None:
         m = m + np.asarray(kink, np.float64) / model.bound(n_terms)
     diff = g - r
-    rn, gn = float(np.linalg.norm(r)), float(np.linalg.norm(g))
+    rn, gn = norm2(r), norm2(g)
     rel = _rel_err(g, r)
-    cos = float(np.vdot(g.ravel(), r.ravel()) / (gn * rn)) if gn > 0 and rn > 0 else (1.0 if gn == rn else 0.0)
+    cos = (float(np.vdot(g.ravel() / gn, r.ravel() / rn))
+           if gn > 0 and rn > 0 and math.isfinite(gn) and math.isfinite(rn) else (1.0 if gn == rn else 0.0))
     maxg = float(np.max(np.abs(r), initial=0.0))
     maxabs = float(np.max(np.abs(diff), initial=0.0)) / maxg if maxg > 0 else float(np.max(np.abs(diff), initial=0))
     if np.any(~np.isfinite(g)):
@@ -223,7 +236,7 @@ def _leaf_result(name, run, g, r, m, model: prec.ErrorModel, n_terms: int, stats
     return LeafResult(name=name, run=run, shape=tuple(g.shape), rel_err=rel, max_abs_ratio=maxabs, cosine=cos,
                       normalized_err=worst, median_normalized_err=float(np.median(ne)) if ne.size else 0.0,
                       worst_index=worst_idx, bound=bound, bound_source=model.formula(), n_terms=n_terms,
-                      kappa=float(np.linalg.norm(m)) / rn if rn > 0 else math.inf, passed=passed and stats_ok and not
+                      kappa=norm2(m) / rn if rn > 0 else math.inf, passed=passed and stats_ok and not
                       undetermined, verdict=verdict, diagnosis=diag, ref_rel_err=modelled_rel, stats=stats,
                       undetermined=undetermined)
 
@@ -432,9 +445,8 @@ def check_vjp(
             if samples is not None:
                 r_i = samples.errors[n_out + i]
                 st = leaf_statistics(g_lo[i] - ref_g[i], r_i, ref_g[i], p, kinks[n_out + i])
-                gn = float(np.linalg.norm(ref_g[i]))
-                rel_model = float(np.sqrt(np.mean(np.sum(r_i.reshape(len(r_i), -1) ** 2, axis=1)))) / gn \
-                    if gn > 0 else None
+                gn = norm2(ref_g[i])
+                rel_model = float(np.sqrt(np.mean([norm2(rk) ** 2 for rk in r_i]))) / gn if gn > 0 else None
             out.append(_leaf_result(nm, p, g_lo[i], ref_g[i], m_g[i], model, n_g[i], st, kink=kinks[n_out + i],
                                     modelled_rel=rel_model))
         return out
