@@ -113,7 +113,8 @@ JAX_VARIANTS = {
     "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
 # the mosaic variants that are BlockKernels options rather than block() arguments
-MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight", "mosaic-kv-repeat", "mosaic-rank-in-kernel")
+MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight", "mosaic-kv-repeat",
+                          "mosaic-rank-in-kernel")
 
 
 def mosaic_kernel_options(suffix: str) -> dict:

@@ -20,15 +20,16 @@ r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.bl
 * **Everything else** (attention, RoPE, the LoRA rank-r matmuls, dense base weights) stays on XLA.
 
 ``backend="mosaic"`` (issue #13, Hopper): each projection's forward with an adapter (a dense weight, or an NF4 one
-dequantised to the activation dtype by XLA first) -- in the forward and in the backward's recompute -- is :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel
-computing ``X W^T + s (X A^T) B^T`` with ``fold_lora_b``'s arithmetic (``sU`` rounded once to the operand dtype,
-one rounding of ``Y``), where the call qualifies (a GPU, 16-bit operands, no dropout mask, ``fold_lora_b``; sizes
-off the kernels' tiles are zero-padded by the kernels' wrappers); and each such projection's ``dX = dY W + (s dY B)
-A`` in the backward is :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu` (``dX`` in the operand dtype since
-session 14, fp32 with ``mosaic_dx_f32``; ``s dY B`` rounded once to the operand dtype). Both kernels also return
-their rank-r products as rounded (``sU``, ``sG``), from which XLA forms ``dB = dY^T (sU)`` and ``dA = (sG)^T h``
-without a second skinny pass over ``h`` or ``dY``. Elsewhere, and for everything else (``dA``, ``dB`` themselves,
-attention, norms), the XLA path.
+dequantised to the activation dtype by XLA first) -- in the forward and in the backward's recompute -- is
+:func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel computing ``X W^T + s (X A^T) B^T``
+with ``fold_lora_b``'s arithmetic (``sU`` rounded once to the operand dtype, one rounding of ``Y``), where the call
+qualifies (a GPU, 16-bit operands, no dropout mask, ``fold_lora_b``; sizes off the kernels' tiles are zero-padded by
+the kernels' wrappers); and each such projection's ``dX = dY W + (s dY B) A`` in the backward is
+:func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu` (``dX`` in the operand dtype since session 14, fp32 with
+``mosaic_dx_f32``; ``s dY B`` rounded once to the operand dtype). Both kernels also return their rank-r products as
+rounded (``sU``, ``sG``; by default XLA computes them and the kernels read them, ``TileConfig.rank_from_xla``), from
+which XLA forms ``dB = dY^T (sU)`` and ``dA = (sG)^T h`` without a second skinny pass over ``h`` or ``dY``.
+Elsewhere, and for everything else (``dA``, ``dB`` themselves, attention, norms), the XLA path.
 
 ``interpret``: ``None`` lets :mod:`jaxgrad.pallas_backend` decide (interpret mode unless JAX's default backend is
 a GPU, where the kernels are compiled by Triton); ``True`` / ``False`` force it (tests on a GPU machine's CPU force

@@ -111,7 +111,7 @@ def supported(x, w, a, b, config: TileConfig = TileConfig()) -> str | None:
     """``None`` when :func:`lora_linear_fwd_mgpu` can run these operands, else why not (naming the argument)."""
     if x.ndim != 2 or w.ndim != 2 or a.ndim != 2 or b.ndim != 2:
         return f"x, w, a, b must be 2-D ([M, K], [N, K], [r, K], [N, r]), got {x.ndim}, {w.ndim}, {a.ndim}, {b.ndim}"
-    m, n, k, r = _problem(x, w, a, b)
+    _, n, k, r = _problem(x, w, a, b)
     if w.shape[1] != k or a.shape[1] != k or b.shape != (n, r):
         return (f"shapes must be x [M, K], w [N, K], a [r, K], b [N, r]; got x {x.shape}, w {w.shape}, a {a.shape}, "
                 f"b {b.shape}")
@@ -123,7 +123,7 @@ def supported_dx(dy, w, a, b, config: TileConfig = TileConfig()) -> str | None:
     if dy.ndim != 2 or w.ndim != 2 or a.ndim != 2 or b.ndim != 2:
         return (f"dy, w, a, b must be 2-D ([M, N], [N, K], [r, K], [N, r]), got {dy.ndim}, {w.ndim}, {a.ndim}, "
                 f"{b.ndim}")
-    (m, n), k, r = dy.shape, w.shape[1], a.shape[0]
+    n, k, r = dy.shape[1], w.shape[1], a.shape[0]
     if w.shape[0] != n or a.shape[1] != k or b.shape != (n, r):
         return (f"shapes must be dy [M, N], w [N, K], a [r, K], b [N, r]; got dy {dy.shape}, w {w.shape}, "
                 f"a {a.shape}, b {b.shape}")
@@ -323,7 +323,7 @@ def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConf
     why = supported(x2, w, a, b, config)
     if why is not None:
         raise ValueError(f"lora_linear_fwd_mgpu: {why}")
-    (m, k), n, r = x2.shape, w.shape[0], a.shape[0]
+    m, n, r = x2.shape[0], w.shape[0], a.shape[0]
     c = config
     out = _call(_pad(x2, (2 * c.tile_m, c.tile_k)), _pad(w, (c.tile_n, c.tile_k)), _pad(a, (16, c.tile_k)),
                 _pad(b, (c.tile_n, 16)), scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
