@@ -22,44 +22,26 @@ CFG = LlamaConfig(hidden_size=256, intermediate_size=384, num_attention_heads=2,
                   rms_norm_eps=1e-5, max_position_embeddings=256, vocab_size=11)
 LCFG = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
 B, T = 2, 128
-_H, _I, _Q, _KV = 256, 384, 256, 128
-SHAPES = {"q_proj": (_Q, _H), "k_proj": (_KV, _H), "v_proj": (_KV, _H), "o_proj": (_H, _Q), "gate_proj": (_I, _H),
-          "up_proj": (_I, _H), "down_proj": (_H, _I)}  # HF [out, in]
-
 
 # odd sizes (issue #13 item 3): seq 77, hidden 96, 3 q heads on 1 kv head (head dim 32), intermediate 160, r 4 --
 # every projection's operands zero-padded to the kernels' tiles
 CFG_ODD = LlamaConfig(hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1,
                       head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=128, vocab_size=11)
 LCFG_ODD = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+T_ODD = 77
 
 
 def _inputs(seed, dtype, odd=False):
-    """Base weights ~ N(0, 1/in), norm weights 1 + N(0, 0.2^2), A and B random and non-zero, x ~ N(0, 1)."""
-    if odd:
-        return _inputs_odd(seed, dtype)
-    rng = np.random.default_rng(seed)
-    cast = lambda a: jnp.asarray(np.float32(a), dtype)  # noqa: E731
-    norms = {n: {"weight": cast(1 + 0.2 * rng.standard_normal(_H))}
-             for n in ("input_layernorm", "post_attention_layernorm")}
-    frozen, lora = {}, {}
-    for g, n in PROJECTIONS:
-        out_f, in_f = SHAPES[n]
-        frozen.setdefault(g, {})[n] = {"weight": cast(rng.standard_normal((out_f, in_f)) / np.sqrt(in_f))}
-        lora.setdefault(g, {})[n] = {"lora_A": cast(rng.uniform(-1, 1, (LCFG.r, in_f)) / np.sqrt(in_f)),
-                                     "lora_B": cast(rng.uniform(-1, 1, (out_f, LCFG.r)) / np.sqrt(LCFG.r))}
-    return frozen, norms, lora, cast(rng.standard_normal((B, T, _H)))
-
-
-def _inputs_odd(seed, dtype):
-    rng = np.random.default_rng(seed)
-    cast = lambda a: jnp.asarray(np.float32(a), dtype)  # noqa: E731
-    c, r = CFG_ODD, LCFG_ODD.r
+    """Base weights ~ N(0, 1/in), norm weights 1 + N(0, 0.2^2), A and B random and non-zero, x ~ N(0, 1); ``odd``:
+    at CFG_ODD and seq 77 instead of CFG and seq 128 (batch 2 either way)."""
+    c, r, t = (CFG_ODD, LCFG_ODD.r, T_ODD) if odd else (CFG, LCFG.r, T)
+    h, i = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size), "v_proj": (kv, c.hidden_size),
-              "o_proj": (c.hidden_size, q), "gate_proj": (c.intermediate_size, c.hidden_size),
-              "up_proj": (c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size)}
-    norms = {n: {"weight": cast(1 + 0.2 * rng.standard_normal(c.hidden_size))}
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+              "up_proj": (i, h), "down_proj": (h, i)}  # HF [out, in]
+    rng = np.random.default_rng(seed)
+    cast = lambda a: jnp.asarray(np.float32(a), dtype)  # noqa: E731
+    norms = {n: {"weight": cast(1 + 0.2 * rng.standard_normal(h))}
              for n in ("input_layernorm", "post_attention_layernorm")}
     frozen, lora = {}, {}
     for g, n in PROJECTIONS:
@@ -67,7 +49,7 @@ def _inputs_odd(seed, dtype):
         frozen.setdefault(g, {})[n] = {"weight": cast(rng.standard_normal((out_f, in_f)) / np.sqrt(in_f))}
         lora.setdefault(g, {})[n] = {"lora_A": cast(rng.uniform(-1, 1, (r, in_f)) / np.sqrt(in_f)),
                                      "lora_B": cast(rng.uniform(-1, 1, (out_f, r)) / np.sqrt(r))}
-    return frozen, norms, lora, cast(rng.standard_normal((2, 77, c.hidden_size)))
+    return frozen, norms, lora, cast(rng.standard_normal((B, t, h)))
 
 
 def _step(fn):

@@ -113,18 +113,24 @@ JAX_VARIANTS = {
     "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
 # the mosaic variants that are BlockKernels options rather than block() arguments
-MOSAIC_KERNEL_VARIANTS = ("mosaic-no-rank", "mosaic-f32-dx", "mosaic-in-flight", "mosaic-kv-repeat",
-                          "mosaic-rank-in-kernel")
+# the mosaic variants that are BlockKernels options rather than block() arguments: the variant name's last word ->
+# the options (``mosaic_tiles`` given as TileConfig fields: JAX is imported only by mosaic_kernel_options)
+MOSAIC_KERNEL_VARIANTS = {"mosaic-no-rank": dict(mosaic_rank=False), "mosaic-f32-dx": dict(mosaic_dx_f32=True),
+                          "mosaic-in-flight": dict(mosaic_tiles=dict(wgmma_in_flight=1)),
+                          "mosaic-kv-repeat": dict(cudnn_repeat_kv=True),
+                          "mosaic-rank-in-kernel": dict(mosaic_tiles=dict(rank_from_xla=False))}
 
 
 def mosaic_kernel_options(suffix: str) -> dict:
     """The BlockKernels options of a mosaic variant named ``... <suffix>`` (imports JAX: call it in a JAX child)."""
     from jaxgrad.ops.lora_linear_mgpu import TileConfig
 
-    return {"mosaic-no-rank": dict(mosaic_rank=False), "mosaic-f32-dx": dict(mosaic_dx_f32=True),
-            "mosaic-in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1)),
-            "mosaic-kv-repeat": dict(cudnn_repeat_kv=True),
-            "mosaic-rank-in-kernel": dict(mosaic_tiles=TileConfig(rank_from_xla=False))}[suffix]
+    opts = dict(MOSAIC_KERNEL_VARIANTS[suffix])
+    if "mosaic_tiles" in opts:
+        opts["mosaic_tiles"] = TileConfig(**opts["mosaic_tiles"])
+    return opts
+
+
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}

@@ -299,9 +299,8 @@ def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, e
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    if rank is not None:
-        return (f(lhs, *operands), rank) if emit_rank else f(lhs, *operands)
-    return f(lhs, *operands)
+    out = f(lhs, *operands)
+    return (out, rank) if rank is not None and emit_rank else out
 
 
 def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConfig(), num_sms: int | None = None,
