@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxgrad.verify import timing
 from jaxgrad.verify.interpreted import (_CALLS, _DATA_MOVEMENT, _ELEMENTWISE_SELECT, _MULTILINEAR, _NEGATING,
                                         _PRODUCTS, _REDUCE_SELECT, _State, _bind_nonneg, _broadcasts_to,
                                         _contraction_size, _zeros_like_kink, is_float)
@@ -233,6 +234,11 @@ def magnitudes(fn: Callable[..., Any], *args: Any, kink_bound: Callable[[int], f
     Returns:
       A :class:`MagnitudeResult` over the flattened outputs.
     """
+    with timing.stage("magnitudes" if kink_bound is None else "kink magnitudes"):
+        return _magnitudes(fn, args, kink_bound)
+
+
+def _magnitudes(fn, args, kink_bound) -> MagnitudeResult:
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     flat_args = jax.tree.leaves(args)
     interp = _Interpreter(kink_bound)

@@ -112,6 +112,8 @@ class VJPReport:
     notes: list[str]
     environment: dict[str, Any]
     seed: int
+    # Wall seconds per stage of check_vjp, compilation included (jaxgrad.verify.timing; "total" the whole call)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def leaf(self, name: str, run: str | None = None) -> LeafResult:
         """The result for an argument leaf (by its name or a suffix of it, e.g. ``"[1]"``)."""
@@ -177,6 +179,9 @@ class VJPReport:
             bad = [f"{lf.name} ({lf.run}{'' if not lf.per_entry_passed else ', statistics'})"
                    for lf in self.failures] + [c.name for c in self.checks if not c.passed]
             out.append("  VERDICT: FAIL -- " + ", ".join(bad))
+        if self.timings:
+            out.append("  time (s, compilation included): "
+                       + ", ".join(f"{k} {v:.2f}" for k, v in self.timings.items()))
         return "\n".join(out)
 
     def to_dict(self) -> dict[str, Any]:
