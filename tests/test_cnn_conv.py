@@ -262,6 +262,49 @@ def test_oihw_weights_are_named_as_such():
         conv2d(x, jnp.transpose(w, (3, 2, 0, 1)), b)
 
 
+def _rgb(seed=71):
+    return _normal(seed, (2, 8, 8, 3))
+
+
+def test_an_oihw_weight_that_also_passes_as_hwio_is_refused_not_misread():
+    # nn.Conv2d(3, 8, 3).weight, [8, 3, 3, 3], read as HWIO is an 8x3 kernel with 3 outputs: a wrong channel count
+    w_oihw = _normal(72, (8, 3, 3, 3))
+    for backend in ("xla", "reference"):
+        with pytest.raises(ValueError, match=r"w \(8, 3, 3, 3\) is ambiguous.*layout\.torch_weight_to_hwio"):
+            conv2d(_rgb(), w_oihw, backend=backend)
+    with pytest.raises(ValueError, match="torch_weight_to_hwio"):  # at trace time too
+        jax.jit(conv2d)(_rgb(), w_oihw)
+    with pytest.raises(ValueError, match="torch_weight_to_hwio"):
+        conv2d(_normal(73, (1, 6, 6, 1)), _normal(74, (16, 1, 1, 1)))  # a 1x1 conv on a grayscale image
+    assert conv2d(_rgb(), jnp.asarray(layout.torch_weight_to_hwio(w_oihw))).shape == (2, 8, 8, 8)
+
+
+def test_an_oihw_weight_with_its_bias_is_named_as_oihw_not_as_a_bad_bias():
+    with pytest.raises(ValueError, match=r"reads as PyTorch's OIHW \[Cout=8, Cin=3, 3x3\].*torch_weight_to_hwio"):
+        conv2d(_rgb(), _normal(75, (8, 3, 3, 3)), _normal(76, (8,)))
+    with pytest.raises(ValueError, match="torch_weight_to_hwio"):  # even where the caller vouches for HWIO
+        conv2d(_rgb(), _normal(75, (8, 3, 3, 3)), _normal(76, (8,)), layout="HWIO")
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 3, 16), (5, 5, 3, 3), (1, 1, 3, 8), (3, 5, 3, 4), (3, 3, 3, 3)])
+def test_hwio_weights_whose_oihw_reading_is_implausible_or_impossible_just_work(shape):
+    # square HWIO kernels (RGB -> 16, 5x5 3 -> 3, 1x1), a non-square one whose OIHW reading has the wrong Cin;
+    # [3, 3, 3, 3] is the same shape in both layouts (documented: no shape rule can tell)
+    assert conv2d(_rgb(), _normal(77, shape), padding="VALID").shape[-1] == shape[3]
+
+
+def test_a_non_square_hwio_kernel_that_reads_as_oihw_is_accepted_with_layout_hwio_or_with_its_bias():
+    w = _normal(78, (8, 3, 3, 3))  # an 8x3 HWIO kernel, 3 -> 3 channels
+    y = conv2d(_normal(79, (1, 12, 6, 3)), w, padding="VALID", layout="HWIO")
+    assert y.shape == (1, 5, 4, 3)
+    np.testing.assert_allclose(y, conv2d_reference(_normal(79, (1, 12, 6, 3)), w, padding="VALID", layout="HWIO"),
+                               rtol=1e-5, atol=1e-5)
+    b = _normal(80, (3,))  # a bias of Cout = w.shape[3] entries settles it: HWIO
+    assert conv2d(_normal(79, (1, 12, 6, 3)), w, b, padding="VALID").shape == (1, 5, 4, 3)
+    with pytest.raises(ValueError, match="layout must be None or 'HWIO'"):
+        conv2d(_rgb(), w, layout="OIHW")
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(stride=0), "stride"), (dict(dilation=(1, 0)), "dilation"), (dict(padding="FULL"), "padding"),
     (dict(padding=-1), "padding"), (dict(padding=((1, 2),)), "padding"), (dict(activation="gelu"), "activation"),

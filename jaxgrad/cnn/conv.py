@@ -96,32 +96,58 @@ def resolve_padding(padding: Padding, in_hw: Sequence[int], kernel_hw: Sequence[
     return pads  # type: ignore[return-value]
 
 
-def check_conv_args(x: Any, w: Any, b: Any = None) -> None:
-    """Shape/dtype checks with messages that name the argument and the expected layout."""
+WEIGHT_LAYOUTS = (None, "HWIO")
+_TO_HWIO = "jaxgrad.cnn.layout.torch_weight_to_hwio"
+
+
+def _reads_as_oihw(w_shape: Sequence[int], cin: int) -> bool:
+    """Whether ``w_shape`` is also PyTorch's OIHW ``[Cout, Cin, kh, kw]`` for ``cin`` input channels, read as the
+    likelier of the two: ``w.shape[1] == Cin`` and a square ``kh x kw`` kernel, where the HWIO reading is a
+    non-square ``w.shape[0] x w.shape[1]`` kernel. (Given a consistent HWIO reading, ``w.shape[2] == Cin``, this
+    is ``w.shape[1:] == (Cin, Cin, Cin) != w.shape[0]``: e.g. ``[8, 3, 3, 3]``, 8 filters of 3x3 on RGB.)"""
+    return w_shape[1] == cin and w_shape[2] == w_shape[3] and w_shape[0] != w_shape[1]
+
+
+def check_conv_args(x: Any, w: Any, b: Any = None, *, layout: str | None = None) -> None:
+    """Shape/dtype checks with messages that name the argument and the expected layout.
+
+    ``layout``: see :func:`conv2d` (``None``: HWIO, refusing a weight whose shape reads more plausibly as PyTorch's
+    OIHW; ``"HWIO"``: HWIO, as stated by the caller).
+    """
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"conv2d: layout must be None or 'HWIO' (w is [kh, kw, Cin, Cout]; convert PyTorch's OIHW "
+                         f"with {_TO_HWIO}), got {layout!r}")
     for name, arr, rank in (("x", x, 4), ("w", w, 4)):
         if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
             raise ValueError(f"conv2d: {name} must be an array, got {type(arr).__name__}")
         if not jnp.issubdtype(arr.dtype, jnp.floating):
             raise ValueError(f"conv2d: {name} must be floating point (float32, bfloat16, float64), got {arr.dtype}")
         if arr.ndim != rank:
-            layout = "[N, H, W, C] (NHWC)" if name == "x" else "[kh, kw, Cin, Cout] (HWIO)"
-            raise ValueError(f"conv2d: {name} must have rank {rank}, {layout}; got shape {tuple(arr.shape)}")
-    cin = w.shape[2]
+            layout_name = "[N, H, W, C] (NHWC)" if name == "x" else "[kh, kw, Cin, Cout] (HWIO)"
+            raise ValueError(f"conv2d: {name} must have rank {rank}, {layout_name}; got shape {tuple(arr.shape)}")
+    cin, ws = w.shape[2], tuple(w.shape)
     if x.shape[-1] != cin:
         hint = ""
         if x.shape[1] == cin:
             hint = (" x looks like NCHW (PyTorch); convert it with jaxgrad.cnn.layout.nchw_to_nhwc.")
         elif w.shape[1] == x.shape[-1] or w.shape[0] == x.shape[-1] or w.shape[3] == x.shape[-1]:
-            hint = (" w looks like PyTorch's OIHW [Cout, Cin, kh, kw]; convert it with "
-                    "jaxgrad.cnn.layout.torch_weight_to_hwio.")
+            hint = f" w looks like PyTorch's OIHW [Cout, Cin, kh, kw]; convert it with {_TO_HWIO}."
         raise ValueError(f"conv2d: x has {x.shape[-1]} channels (NHWC, last axis) but w expects Cin={cin} "
-                         f"(w is HWIO [kh, kw, Cin, Cout] = {tuple(w.shape)}).{hint}")
+                         f"(w is HWIO [kh, kw, Cin, Cout] = {ws}).{hint}")
     if b is not None:
         if not hasattr(b, "shape") or tuple(b.shape) != (w.shape[3],):
-            raise ValueError(f"conv2d: b must have shape (Cout,) = ({w.shape[3]},), got "
-                             f"{tuple(getattr(b, 'shape', ()))}")
+            b_shape = tuple(getattr(b, "shape", ()))
+            if b_shape == (w.shape[0],) and w.shape[1] == cin:
+                raise ValueError(f"conv2d: w {ws} with b {b_shape} reads as PyTorch's OIHW [Cout={ws[0]}, "
+                                 f"Cin={ws[1]}, {ws[2]}x{ws[3]}] (as HWIO [kh, kw, Cin, Cout], b would need shape "
+                                 f"({ws[3]},)); convert w with {_TO_HWIO}")
+            raise ValueError(f"conv2d: b must have shape (Cout,) = ({w.shape[3]},), got {b_shape}")
         if not jnp.issubdtype(b.dtype, jnp.floating):
             raise ValueError(f"conv2d: b must be floating point, got {b.dtype}")
+    elif layout is None and _reads_as_oihw(ws, cin):
+        raise ValueError(f"conv2d: w {ws} is ambiguous: as HWIO, kernel {ws[0]}x{ws[1]} with Cout={ws[3]}; as "
+                         f"PyTorch's OIHW, {ws[0]} filters of {ws[2]}x{ws[3]}; convert a PyTorch weight with "
+                         f"{_TO_HWIO}, or pass layout='HWIO' if w is HWIO")
 
 
 def _check_geometry(x_shape, w_shape, stride, pads, dilation) -> None:
@@ -154,8 +180,8 @@ def _activation_grad(g: jax.Array, y: jax.Array, activation: str | None) -> jax.
 # ----------------------------------------------------------------------------------------------- reference
 def conv2d_reference(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, stride: int | Sequence[int] = 1,
                      padding: Padding = "SAME", dilation: int | Sequence[int] = 1, activation: str | None = None,
-                     precision: Any = None) -> jax.Array:
-    r"""Plain JAX, differentiated by JAX itself: the oracle for the VJPs.
+                     precision: Any = None, layout: str | None = None) -> jax.Array:
+    r"""Plain JAX, differentiated by JAX itself: the oracle for the VJPs. Arguments as :func:`conv2d`.
 
     Written as the sum over taps of the definition, ``z = sum_{u,v} xp[:, u d :: s, v d :: s, :] @ w[u, v]``
     (strided slices and one ``einsum`` per tap), not with ``lax.conv_general_dilated``: the oracle then shares no
@@ -163,7 +189,7 @@ def conv2d_reference(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, 
     ``lax.conv_general_dilated`` aborts XLA's CPU compiler for some strided geometries, see
     :func:`conv2d_input_grad`).
     """
-    check_conv_args(x, w, b)
+    check_conv_args(x, w, b, layout=layout)
     stride, dilation = _pair(stride, "stride", 1), _pair(dilation, "dilation", 1)
     pads = resolve_padding(padding, x.shape[1:3], w.shape[:2], stride, dilation)
     _check_geometry(x.shape, w.shape, stride, pads, dilation)
@@ -292,7 +318,7 @@ def _pallas_supported(x_shape, w_shape, stride, pads, dilation) -> str | None:
 
 def conv2d(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, stride: int | Sequence[int] = 1,
            padding: Padding = "SAME", dilation: int | Sequence[int] = 1, activation: str | None = None,
-           precision: Any = None, backend: str = "xla") -> jax.Array:
+           precision: Any = None, backend: str = "xla", layout: str | None = None) -> jax.Array:
     """``activation(correlate(x, w) + b)`` in NHWC/HWIO with the hand-written VJP documented in the module.
 
     Args:
@@ -302,13 +328,26 @@ def conv2d(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, stride: in
       activation: ``None`` or ``"relu"`` (fused: the backward uses the saved output's sign).
       precision: ``None`` (JAX default: TF32 on GPU) or a ``jax.lax.Precision``.
       backend: ``"xla"`` | ``"pallas"`` | ``"reference"``.
+      layout: ``None`` (default) or ``"HWIO"``, see below.
     Returns ``[N, H_out, W_out, Cout]`` in x's dtype.
+
+    **PyTorch weights.** ``nn.Conv2d.weight`` is OIHW ``[Cout, Cin, kh, kw]``; convert it with
+    :func:`jaxgrad.cnn.layout.torch_weight_to_hwio`. An OIHW weight passed as it is fails the channel check and the
+    error names that function -- except when its shape also reads as a valid HWIO weight for ``x``: ``kh == Cin``
+    (e.g. ``[8, 3, 3, 3]``, 8 filters of 3x3 on RGB, reads as an 8x3 HWIO kernel with 3 outputs). With a bias the
+    two readings are told apart by ``b``'s length (an OIHW one is named as such). Without one, a weight
+    ``[k, C, C, C]`` with ``C = Cin`` and ``k != C`` (HWIO: a non-square ``k x C`` kernel with ``Cout = Cin``;
+    OIHW: ``k`` filters of ``C x C``) is refused with ``layout=None``, since no shape check can tell which it is and
+    a wrong guess is a silently wrong result; a caller whose weight really is that HWIO kernel says so with
+    ``layout="HWIO"``. Square HWIO kernels, and any weight whose OIHW reading is impossible for ``x``, never
+    trip this. The one shape no rule can decide is ``[C, C, C, C]`` (a CxC kernel, ``Cin == Cout == C``): it is
+    the same shape in both layouts, so convert PyTorch weights always, whatever their shape.
 
     ``x`` and ``w`` must have the same dtype (as in PyTorch's ``nn.Conv2d``; there is no implicit promotion): cast
     one of them, e.g. ``w.astype(x.dtype)`` for bf16 activations with f32 master weights. A mismatch raises
     ``TypeError`` naming both dtypes, on every backend.
     """
-    check_conv_args(x, w, b)
+    check_conv_args(x, w, b, layout=layout)
     if x.dtype != w.dtype:
         raise TypeError(f"conv2d: x and w must have the same dtype, got x {x.dtype} and w {w.dtype}; cast one, e.g. "
                         f"w.astype(x.dtype)")
@@ -321,7 +360,7 @@ def conv2d(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, stride: in
     _check_geometry(x.shape, w.shape, stride, pads, dilation)
     if backend == "reference":
         return conv2d_reference(x, w, b, stride=stride, padding=pads, dilation=dilation, activation=activation,
-                                precision=precision)
+                                precision=precision, layout=layout)
     if backend == "pallas":
         unsupported = _pallas_supported(x.shape, w.shape, stride, pads, dilation)
         if unsupported:
