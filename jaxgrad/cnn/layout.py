@@ -7,6 +7,11 @@ r"""Layouts, handled once: PyTorch's OIHW/NCHW <-> jaxgrad's HWIO/NHWC, and when
 PyTorch uses), ``lax.conv_general_dilated``, Flax (``nnx.Conv`` kernels are HWIO) and TensorFlow (``[H, W, in,
 out]``).
 
+**A PyTorch weight passed unconverted is refused**, naming :func:`torch_weight_to_hwio`: by the channel check,
+by the bias's length (``b`` of ``w.shape[0]`` entries), or, for the shapes that also pass as HWIO without a bias,
+``[k, C, C, C]`` with ``C = Cin != k``, as ambiguous (:func:`jaxgrad.cnn.conv.conv2d`'s ``layout="HWIO"`` states a
+genuine non-square HWIO kernel). ``[C, C, C, C]`` is the same shape in both layouts: always convert.
+
 **Gradients come back in the parameter's own layout.** ``W.grad`` in PyTorch is OIHW like ``W``; ``jax.grad`` with
 respect to an HWIO ``w`` is HWIO. Compare them after :func:`torch_weight_to_hwio` — *never* flip a gradient to make it
 match: if a flip (or an O<->I swap, or a reshape instead of a transpose) is what makes two gradients agree, one side
