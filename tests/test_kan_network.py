@@ -68,6 +68,8 @@ def test_network_errors_are_clear():
         kan_init(jax.random.key(0), [3, 0, 2])
     with pytest.raises(TypeError, match="widths"):
         kan_init(jax.random.key(0), [3, 2.5])
+    with pytest.raises(TypeError, match=r"'widths' must be a list of layer widths \[in, h_1, \.\.\., out\], got int 4"):
+        kan_init(jax.random.key(0), 4)
     with pytest.raises(TypeError, match="in_features"):
         kan_init(jax.random.key(0), [3, 2], in_features=3)
     with pytest.raises(ValueError, match="backend"):

@@ -75,7 +75,24 @@ def _kaiming_uniform(key, shape, fan_in, a, dtype):
 
 
 def init(key: jax.Array, cfg: KANConfig, dtype=jnp.float32) -> dict[str, jax.Array]:
-    """efficient-kan's initialisation: Kaiming-uniform base weight and scaler, spline weights fitted to small noise."""
+    """efficient-kan's initialisation: Kaiming-uniform base weight and scaler, spline weights fitted to small noise.
+
+    ``cfg`` is a :class:`KANConfig` (``init(key, KANConfig(4, 3))``); for a network of widths ``[4, 3]`` use
+    :func:`jaxgrad.kan.kan_init`. ``dtype`` must be a floating dtype.
+    """
+    if not isinstance(cfg, KANConfig):
+        hint = ""
+        if isinstance(cfg, (int, np.integer)) and not isinstance(cfg, bool):
+            hint = (f"; for one layer of {cfg} -> {dtype!r} features write init(key, KANConfig({cfg}, {dtype!r})), "
+                    f"for a network kan_init(key, [{cfg}, {dtype!r}])" if isinstance(dtype, (int, np.integer))
+                    else f"; e.g. init(key, KANConfig(in_features={cfg}, out_features=...))")
+        raise TypeError(f"KAN init: 'cfg' must be a KANConfig, got {type(cfg).__name__} {cfg!r}{hint}")
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise TypeError(f"KAN init: 'dtype' must be a floating dtype (float32, float64, bfloat16), got {dtype!r}")
     k_base, k_noise, k_scaler = jax.random.split(key, 3)
     G, k = cfg.grid_size, cfg.spline_order
     grid = make_grid(cfg.in_features, G, k, cfg.grid_range, dtype)

@@ -16,7 +16,7 @@ transformation including ``jax.jacfwd``; ``"pallas"``: first-order reverse mode)
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,9 @@ def kan_init(key: jax.Array, widths: Sequence[int], *, dtype=jnp.float32, **laye
         ``grid_range``, ``scale_noise``, ``scale_base``, ``scale_spline``, ``grid_eps``, ``bias``), shared by
         every layer.
     """
+    if isinstance(widths, (str, bytes, Mapping)) or not isinstance(widths, Iterable):
+        raise TypeError(f"kan_init: 'widths' must be a list of layer widths [in, h_1, ..., out], got "
+                        f"{type(widths).__name__} {widths!r}")
     widths = list(widths)
     if len(widths) < 2:
         raise ValueError(f"kan_init: 'widths' needs at least [in, out], got {widths}")
