@@ -4,6 +4,7 @@
     python scripts/verify_false_alarms.py --mode cpu --n 500 --jobs 8   # TF32/f16/bf16 kernels emulated on the CPU
     python scripts/verify_false_alarms.py --mode gpu --n 100            # the GPU's own TF32 / bf16 rounding
     python scripts/verify_false_alarms.py --mode cpu --n 6 --no-write   # a smoke run (what CI runs)
+    python scripts/verify_false_alarms.py --mode mixed --n 200          # backward coarser than forward (GPU or CPU)
 
 Each run draws an op (dense, conv+ReLU, softmax attention, a dense whose weight gradient sums up to 10^6 terms:
 ``jaxgrad.verify.calibration``), a planted-leaf size (64 .. 16384 entries), white-noise inputs, sometimes scaled by
@@ -15,6 +16,12 @@ Every run is ``check_vjp(fn, reference, ..., float64=False)`` (the situation of 
 precision selection and both gates included. A BUG verdict on a correct VJP is a false alarm; an UNDETERMINED verdict
 (the inputs do not determine the function at that precision: a softmax on logits of size 1/u, say) is neither a pass
 nor a false alarm, and is counted apart.
+
+``mixed`` mode draws correct VJPs whose backward rounds differently from their forward
+(``jaxgrad.verify.calibration.make_mixed_case``: an XLA dot or a conv -- cuDNN on a GPU -- with the forward at f32 /
+TF32 / bf16 and the backward at bf16 / TF32 / f16, f32 arrays, ``MIXED_PAIRS``), natively on a GPU (TF32 is the
+GPU's own; on a CPU it is emulated). Half the runs plant a scale error in one gradient at the documented target for
+the coarser of the two precisions (1% at bf16, 0.2% at TF32 / f16): each must be caught on that gradient.
 
 Writes ``benchmarks/results/verify-false-alarms-<mode>-<device>-<stamp>.{json,txt}`` unless ``--no-write``.
 """
@@ -36,8 +43,20 @@ import numpy as np
 OPS = ("dense", "conv_relu", "attention", "long_sum")
 
 
+PLANTED_TARGET = {"bf16": 0.01, "f16": 0.002, "tf32": 0.002, "f32": 1e-5}
+
+
 def draw(i: int, seed: int, mode: str) -> dict:
     rng = np.random.default_rng([seed, i])
+    if mode == "mixed":
+        from jaxgrad.verify.calibration import MIXED_PAIRS
+        from jaxgrad.verify.program_precision import coarser
+
+        fw, bw = MIXED_PAIRS[int(rng.integers(len(MIXED_PAIRS)))]
+        planted = PLANTED_TARGET[coarser(fw, bw)] if rng.random() < 0.5 else 0.0
+        return {"i": i, "op": ["dense", "conv"][int(rng.integers(2))], "size": int(2 ** rng.uniform(6, 14)),
+                "precision": f"{fw}>{bw}", "cancel": False, "planted": planted, "leaf": int(rng.integers(2)),
+                "seed": int(rng.integers(2**31))}
     op = OPS[int(rng.integers(len(OPS)))]
     size = int(2 ** rng.uniform(6, 14))
     if op == "long_sum":
@@ -59,6 +78,24 @@ def run_one(cfg: dict, mode: str) -> dict:
 
     rng = np.random.default_rng(cfg["seed"])
     prec = cfg["precision"]
+    if mode == "mixed":
+        from jaxgrad.verify.calibration import make_mixed_case
+
+        fw, bw = prec.split(">")
+        case = make_mixed_case(cfg["op"], fw, bw, cfg["size"], rng, emulate=jax.default_backend() == "cpu",
+                               planted=cfg["planted"], leaf=cfg["leaf"])
+        t0 = time.time()
+        rep = check_vjp(case.fn, case.reference, *case.args, float64=False, fd=False, adjoint=False,
+                        structural=False, seed=cfg["seed"] % 1000)
+        failed = [i for i, lf in enumerate(rep.leaves) if not lf.passed and not lf.undetermined]
+        out = dict(cfg, passed=bool(rep.passed), undetermined=bool(rep.undetermined),
+                   judged_as=rep.precision.precision, leaf_runs=[lf.run for lf in rep.leaves],
+                   caught=bool(cfg["planted"]) and failed == [cfg["leaf"]] and not rep.passed,
+                   seconds=round(time.time() - t0, 2), entries=[int(np.prod(lf.shape)) for lf in rep.leaves],
+                   platform=jax.default_backend())
+        if not rep.passed and not cfg["planted"]:
+            out["report"] = str(rep)
+        return out
     arrays = jnp.bfloat16 if prec == "bf16-arrays" else jnp.float32
     kernel_precision = {"bf16-arrays": "bf16"}.get(prec, prec)
     op, size = cfg["op"], cfg["size"]
@@ -102,7 +139,7 @@ def _worker(args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--mode", choices=["cpu", "gpu", "mixed"], default="cpu")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (cpu mode)")
     ap.add_argument("--seed", type=int, default=0)
@@ -124,10 +161,15 @@ def main(argv=None) -> int:
 
     def show(r):  # printed as each run finishes, so a run cut short still shows what it judged
         results.append(r)
-        print(f"{r['i']:4d} {r['op']:10s} {r['precision']:13s} size {r['size']:8d} cancel {int(r['cancel'])} "
-              f"-> {'pass' if r['passed'] else 'undetermined' if r.get('undetermined') else 'FALSE ALARM'} as "
-              f"{r.get('judged_as')} ({r.get('seconds')} s)"
-              + (f" {r['error']}" if "error" in r else ""), flush=True)
+        if r.get("planted"):
+            verdict = "caught" if r.get("caught") else "MISSED" if r["passed"] else "failed elsewhere"
+            what = f"planted {r['planted']:g} on leaf {r['leaf']}"
+        else:
+            verdict = "pass" if r["passed"] else "undetermined" if r.get("undetermined") else "FALSE ALARM"
+            what = f"cancel {int(r['cancel'])}"
+        print(f"{r['i']:4d} {r['op']:10s} {r['precision']:13s} size {r['size']:8d} {what} -> {verdict} as "
+              f"{r.get('judged_as')}{' ' + '/'.join(r['leaf_runs']) if 'leaf_runs' in r else ''} "
+              f"({r.get('seconds')} s)" + (f" {r['error']}" if "error" in r else ""), flush=True)
 
     if a.jobs > 1:
         ex = cf.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn"))
@@ -145,6 +187,8 @@ def main(argv=None) -> int:
                 break
             show(_worker((c, a.mode)))
     results.sort(key=lambda r: r["i"])
+    planted = [r for r in results if r.get("planted")]
+    results_all, results = results, [r for r in results if not r.get("planted")]
     fails = [r for r in results if not r["passed"] and not r.get("undetermined")]
     undetermined = [r for r in results if r.get("undetermined")]
     n = len(results)
@@ -155,6 +199,9 @@ def main(argv=None) -> int:
                "seconds": round(time.time() - t0, 1), "rate_upper_95": upper}
     print(f"{len(fails)} false alarms in {n} correct low-precision VJPs ({len(undetermined)} undetermined)"
           + (f"; false-alarm rate per run < {upper:.2%} (95% confidence)" if upper is not None else ""))
+    if planted:
+        summary.update(planted_runs=len(planted), planted_caught=sum(bool(r.get("caught")) for r in planted))
+        print(f"planted errors caught on their gradient: {summary['planted_caught']} of {len(planted)}")
     if not a.no_write:
         from jaxgrad.benchmarking import _jsonable, device_slug, environment
         from jaxgrad.verify.stats import FALSE_ALARM_RATE
@@ -165,7 +212,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"verify-false-alarms-{a.mode}-{device_slug(env['device_kind'])}-{time.strftime('%Y%m%d-%H%M%S')}"
         stem.with_suffix(".json").write_text(json.dumps(_jsonable({"environment": env, "summary": summary,
-                                                                    "runs": results}), indent=1) + "\n")
+                                                                    "runs": results_all}), indent=1) + "\n")
         by = {}
         for r in results:
             key = (r["op"], r["precision"])
@@ -181,12 +228,21 @@ def main(argv=None) -> int:
                  f"false-alarm rate {FALSE_ALARM_RATE:g} per leaf",
                  f"{'op':10s} {'precision':13s} {'runs':>5s} {'false alarms':>12s} {'undetermined':>12s}"]
         lines += [f"{op:10s} {p:13s} {c[0]:5d} {c[1]:12d} {c[2]:12d}" for (op, p), c in sorted(by.items())]
+        if planted:
+            lines.append(f"# planted scale errors (1% where bf16 is the coarser precision, 0.2% for TF32 / f16), "
+                         f"caught on their gradient: {summary['planted_caught']} of {len(planted)}")
+            pby = {}
+            for r in planted:
+                c = pby.setdefault((r["op"], r["precision"]), [0, 0])
+                c[0] += 1
+                c[1] += bool(r.get("caught"))
+            lines += [f"{op:10s} {p:13s} {c[0]:5d} planted {c[1]:5d} caught" for (op, p), c in sorted(pby.items())]
         lines.append(f"# total: {len(fails)} false alarms in {n} runs ({len(undetermined)} undetermined: the inputs do "
                      "not determine the function at that precision; neither pass nor false alarm)"
                      + (f"; per-run false-alarm rate < {upper:.2%} at 95% confidence" if upper is not None else ""))
         stem.with_suffix(".txt").write_text("\n".join(lines) + "\n")
         print(f"wrote {stem.with_suffix('.txt')}")
-    return 0 if not fails else 1
+    return 0 if not fails and all(r.get("caught") for r in planted) else 1
 
 
 if __name__ == "__main__":

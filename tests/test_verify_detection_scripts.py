@@ -69,3 +69,16 @@ def test_a_false_alarm_sweep_replays_chosen_runs_of_its_seed(scripts, monkeypatc
     assert fa.main(["--mode", "cpu", "--seed", "18", "--indices", "31", "5", "--out", str(tmp_path)]) == 0
     assert [c["i"] for c in ran] == [31, 5] and ran[0] == fa.draw(31, 18, "cpu")
     assert "2 correct low-precision VJPs (of 2 asked)" in next(tmp_path.glob("*.txt")).read_text()
+
+
+def test_a_mixed_precision_sweep_counts_false_alarms_and_planted_catches_apart(scripts, tmp_path):
+    # seed 0's first three draws: a 1% planted conv (bf16 > f16), a correct conv (f32 > TF32), a 1% planted dense
+    fa = scripts[2]
+    assert [(d["op"], d["precision"], d["planted"]) for d in (fa.draw(i, 0, "mixed") for i in range(3))] == [
+        ("conv", "bf16>f16", 0.01), ("conv", "f32>tf32", 0.0), ("dense", "bf16>f16", 0.01)]
+    assert fa.main(["--mode", "mixed", "--n", "3", "--out", str(tmp_path)]) == 0
+    data = json.loads(next(tmp_path.glob("verify-false-alarms-mixed-*.json")).read_text())
+    assert data["summary"]["false_alarms"] == 0 and data["summary"]["runs"] == 1
+    assert data["summary"]["planted_caught"] == 2
+    # each gradient judged at its backward's precision (or the forward's where that is coarser), never finer
+    assert [r["leaf_runs"] for r in data["runs"]] == [["bf16", "bf16"], ["tf32", "tf32"], ["bf16", "bf16"]]

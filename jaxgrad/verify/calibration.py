@@ -36,7 +36,7 @@ from jaxgrad.verify.hypothesis import float64_oracle, sample_rounding
 from jaxgrad.verify.magnitude import magnitudes
 from jaxgrad.verify.precision import ErrorModel
 
-__all__ = ["OPS", "Case", "LeafErrors", "leaf_errors", "make_case"]
+__all__ = ["MIXED_PAIRS", "OPS", "Case", "LeafErrors", "leaf_errors", "make_case", "make_mixed_case"]
 
 OPS = ("dense", "conv_relu", "attention", "long_sum")
 _HI = lax.Precision.HIGHEST
@@ -181,6 +181,83 @@ def make_case(op: str, size: int, precision: str, rng: np.random.Generator, dtyp
         return Case(op, f, ref, (normal(*heads, seq, d), normal(*heads, seq + 3, d), normal(*heads, seq + 3, d + 1)),
                     0)
     raise ValueError(f"make_case: op must be one of {OPS}, got {op!r}")
+
+
+# Forward / backward precision pairs of the mixed cases: a backward that rounds more coarsely than its forward (or
+# merely differently), as cuBLAS / cuDNN dgrad in bf16, a bf16 flash backward or a TF32 backward behind f32 do.
+MIXED_PAIRS = (("f32", "bf16"), ("tf32", "bf16"), ("f32", "tf32"), ("bf16", "f16"))
+
+
+def _native_product(precision: str, emulate: bool) -> Callable:
+    """``(op, a, b) -> op(a, b, precision=...)`` as the hardware computes it at ``precision``, f32 in and out:
+    ``f32`` at HIGHEST; ``tf32`` at the default precision (the GPU's TF32; with ``emulate``, operands rounded to TF32
+    and products at HIGHEST, for a CPU); ``bf16`` / ``f16`` with operands cast to that dtype, f32 accumulation."""
+    def product(op, a, b):
+        if precision == "f32":
+            return op(a, b, _HI)
+        if precision == "tf32":
+            if emulate:
+                rnd = _rounder("tf32")
+                return op(rnd(a), rnd(b), _HI)
+            return op(a, b, lax.Precision.DEFAULT)
+        dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}[precision]
+        return op(a.astype(dt), b.astype(dt), None, jnp.float32)
+    return product
+
+
+def _dense_op(x, w, p, out=None):
+    return jnp.dot(x, w, precision=p, preferred_element_type=out)
+
+
+def _conv_op(x, w, p, out=None):
+    return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_DN, precision=p,
+                                    preferred_element_type=out)
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed(op: str, forward: str, backward: str, emulate: bool, scale: float = 1.0, leaf: int = 0):
+    """A correct ``op`` (dense ``x W`` or a 3x3 SAME conv, no bias) whose forward computes at ``forward`` and whose
+    backward is ``jax.vjp`` of the same op at ``backward`` with the cotangent in the backward's precision; ``scale``
+    multiplies gradient ``leaf`` (a planted error when not 1)."""
+    base = {"dense": _dense_op, "conv": _conv_op}[op]
+    fprod, bprod = _native_product(forward, emulate), _native_product(backward, emulate)
+
+    def ref(x, w, p=_HI):
+        return base(x, w, p)
+
+    @jax.custom_vjp
+    def f(x, w):
+        return fprod(base, x, w).astype(x.dtype)
+
+    def fwd(x, w):
+        return f(x, w), (x, w)
+
+    def bwd(res, g):
+        x, w = res
+        _, pb = jax.vjp(lambda a, b: bprod(base, a, b).astype(jnp.float32), x, w)
+        grads = list(pb(g.astype(jnp.float32)))
+        grads[leaf] = grads[leaf] * scale
+        return tuple(gr.astype(a.dtype) for gr, a in zip(grads, res))
+
+    f.defvjp(fwd, bwd)
+    return f, ref
+
+
+def make_mixed_case(op: str, forward: str, backward: str, size: int, rng: np.random.Generator, *,
+                    emulate: bool = False, planted: float = 0.0, leaf: int = 0) -> Case:
+    """A correct mixed-precision ``op`` ('dense' or 'conv', :data:`MIXED_PAIRS`) whose larger leaf has about ``size``
+    entries, on white noise, f32 arrays; ``planted``: gradient ``leaf`` is ``(1 + planted)`` times too large."""
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    f, ref = _mixed(op, forward, backward, emulate, 1.0 + planted, leaf)
+    if op == "dense":
+        n_in = max(2, round(math.sqrt(size * 1.25)))
+        args = (normal(max(2, size // n_in), n_in), normal(n_in, max(2, size // n_in + 3)) / math.sqrt(n_in))
+    elif op == "conv":
+        side = max(3, round(math.sqrt(size / 5)))
+        args = (normal(1, side, side + 2, 5), normal(3, 3, 5, 7) / 6.0)
+    else:
+        raise ValueError(f"make_mixed_case: op must be 'dense' or 'conv', got {op!r}")
+    return Case(f"{op}-{forward}-fwd-{backward}-bwd", f, ref, args, leaf)
 
 
 @dataclasses.dataclass(frozen=True)

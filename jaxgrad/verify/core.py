@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.verify import precision as prec
+from jaxgrad.verify.program_precision import coarser, program_precisions
 from jaxgrad.verify import timing
 from jaxgrad.verify.diagnose import diagnose
 from jaxgrad.verify.hypothesis import candidate_precisions, float64_oracle, sample_rounding
@@ -128,6 +129,19 @@ def _vjp(f, what, args, ct):
         raise VJPUnavailableError(f"check_vjp: {what} has no VJP: jax.vjp({what}) failed with "
                                   f"{type(e).__name__}: {e}") from e
     return out, grads, lambda c: fwd_and_vjp(args, c)[1]
+
+
+def _program_precision(f, args, ct, platform: str, notes: list[str]):
+    """The precision of each flat output of ``f``'s forward and VJP as called (forward outputs, then gradients),
+    from its jaxpr and XLA's optimized HLO (:mod:`jaxgrad.verify.program_precision`); None, with a note, where the
+    program cannot be read (the forward's precision then stands for every gradient)."""
+    try:
+        return program_precisions(lambda a, c: (lambda y_pb: (y_pb[0], y_pb[1](c)))(jax.vjp(f, *a)), args, ct,
+                                  platform=platform)
+    except Exception as e:  # a program the analysis cannot read: judged as before, at the forward's precision
+        notes.append(f"the precision of each gradient could not be read from fn's program ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0][:120] if str(e) else ''}); every gradient is judged at the forward's")
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,6 +366,7 @@ def check_vjp(
     platform = prec.platform_precision()
     checks: list[Check] = []
     notes: list[str] = []
+    prog = _program_precision(fn, args, cotangent, platform[0], notes)
     ct_ref = jax.tree.map(lambda c, o: jnp.asarray(c, o.dtype), cotangent, ref_out)
 
     def ref_fwd_and_vjp(a, c):
@@ -383,9 +398,10 @@ def check_vjp(
     results = []  # (p, model, samples, kinks, kink pass, forward statistics) per hypothesis
     oracle = float64_oracle(ref_fwd_and_vjp)
     candidates = candidate_precisions(dtypes, precision)
-    def hypothesis(p):
+    def hypothesis(p, record=True):
         """(p, model, samples, kinks, kink magnitudes, forward statistics) of one precision hypothesis; samples None
-        where no statistics exist (a float64 run, or a reference that cannot run at the as-called dtypes)."""
+        where no statistics exist (a float64 run, or a reference that cannot run at the as-called dtypes).
+        ``record``: a hypothesis about the forward (listed in the report's "tested"), not a gradient's own."""
         model_p = prec.ErrorModel(p, safety, "")
         kinks = [None] * (n_out + len(names))
         mk = None
@@ -406,8 +422,9 @@ def check_vjp(
         fwd_stats = [leaf_statistics(y - r, s, r, p, kinks[j]) for j, (y, r, s) in
                      enumerate(zip(y_lo, ref_y, samples.errors[:n_out]))]
         ratio = max((st.norm_ratio for st in fwd_stats), default=1.0)
-        tried.append(f"{p}: " + (f"agrees, error {ratio:.2g}x its rounding" if all(st.passed for st in fwd_stats)
-                                 else "; ".join(st.failure_text() for st in fwd_stats if not st.passed)))
+        if record:
+            tried.append(f"{p}: " + (f"agrees, error {ratio:.2g}x its rounding" if all(st.passed for st in fwd_stats)
+                                     else "; ".join(st.failure_text() for st in fwd_stats if not st.passed)))
         return (p, model_p, samples, kinks, mk, fwd_stats)
 
     for ci, p in enumerate(candidates):
@@ -458,9 +475,12 @@ def check_vjp(
                          f"{nm} {c}/{int(np.size(m))}" for nm, c, m in zip(names, counts, m_g) if c)
                      + ") adds the jump between the branches")
 
-    def judge_leaves(p, model, samples, kinks) -> list[LeafResult]:
+    def judge_leaves(p, model, samples, kinks, only=None) -> list[LeafResult]:
         out = []
         for i, nm in enumerate(names):
+            if only is not None and i not in only:
+                out.append(None)
+                continue
             st, rel_model = None, None
             if samples is not None:
                 r_i = samples.errors[n_out + i]
@@ -471,8 +491,49 @@ def check_vjp(
                                     modelled_rel=rel_model))
         return out
 
+    def hypothesis_at(q):
+        return chosen if q == chosen[0] else (next((r for r in results if r[0] == q), None) or
+                                                hypothesis(q, record=False))
+
+    def judge_each(leaf_prec, source_of) -> list[LeafResult]:
+        """Each leaf at its own precision (``leaf_prec[i]``), against that hypothesis' rounding samples."""
+        out: list[LeafResult | None] = [None] * len(names)
+        for q in dict.fromkeys(leaf_prec):
+            hq = hypothesis_at(q)
+            idx = {i for i, qi in enumerate(leaf_prec) if qi == q}
+            for i, lf in enumerate(judge_leaves(q, prec.ErrorModel(q, safety, source_of(q)), hq[2], hq[3], idx)):
+                if lf is not None:
+                    out[i] = lf
+        return out
+
+    # 2b. each gradient's own precision, from the program that computed it (program_precision.py): a gradient is
+    # judged at the coarser of the adopted precision and the precision its own program rounds to, never finer.
+    leaf_prec = [p] * len(names)
+    if precision is None and p != "f64" and prog is not None:
+        leaf_prec = [coarser(p, prog[n_out + i].judged) or p for i in range(len(names))]
+        for i, q in enumerate(leaf_prec):
+            if q != p and hypothesis_at(q)[2] is None:  # the reference cannot run there: the adopted one
+                leaf_prec[i] = p
+    program_lines = []
+    if prog is not None:
+        program_lines = [("forward", prog[0].describe() if n_out == 1 else
+                          "; ".join(o.describe() for o in prog[:n_out]))]
+        program_lines += [(nm, prog[n_out + i].describe() + (f" -- judged at {leaf_prec[i]}, not the forward's {p}"
+                                                               if leaf_prec[i] != p else ""))
+                          for i, nm in enumerate(names)]
+        if any(q != p for q in leaf_prec):
+            notes.append("gradients judged at their own program's precision, coarser than the forward's " + p + ": "
+                         + ", ".join(f"{nm} {q}" for nm, q in zip(names, leaf_prec) if q != p))
+        excess = [nm for nm, o in zip(["forward"] * n_out + list(names), prog) if o.excess]
+        if excess:
+            notes.append("XLA kept a finer precision than fn asks for (excess precision) on the way to "
+                         + ", ".join(dict.fromkeys(excess)) + ": judged at fn's own, the coarser")
+
+    def source_of(q):
+        return source if q == p else source + f"; {q}: the precision of the gradient's own program"
+
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-        leaves_out: list[LeafResult] = judge_leaves(p, model_lo, samples, kinks)
+        leaves_out: list[LeafResult] = judge_each(leaf_prec, source_of)
         # The forward does not fix the backward's precision: cuDNN and cuBLAS pick the algorithm of every product
         # separately, so a conv whose forward ran exactly in f32 may take its weight gradient in TF32, the platform's
         # default. When the forward agrees with both, the gradients decide between them: the finer one is kept
@@ -484,10 +545,11 @@ def check_vjp(
             if hq[2] is not None and hq[5] and all(st.passed for st in hq[5]):
                 model_q = prec.ErrorModel(q, safety, source + f"; the gradients only agree with {q}, the "
                                           f"platform default, which the forward also agrees with: judged as {q}")
-                leaves_q = judge_leaves(q, model_q, hq[2], hq[3])
+                prec_q = [coarser(q, qi) for qi in leaf_prec]
+                leaves_q = judge_each(prec_q, lambda r: model_q.source)
                 if all(lf.passed or lf.undetermined for lf in leaves_q):
                     p, model_p, samples, kinks, mk, fwd_stats = hq
-                    model_lo, leaves_out = model_q, leaves_q
+                    model_lo, leaves_out, leaf_prec = model_q, leaves_q, prec_q
                     notes.append(f"the forward agrees with {chosen[0]} and {q}; the gradients only with {q} (the "
                                  "platform's default for f32 products: the backward may run another algorithm than "
                                  f"the forward): judged as {q}")
@@ -502,7 +564,7 @@ def check_vjp(
                 hq = next((r for r in results if r[0] == q), None) or hypothesis(q)
                 if hq[2] is None or not (hq[5] and all(st.passed for st in hq[5])):
                     continue
-                leaves_q = judge_leaves(q, prec.ErrorModel(q, safety, source), hq[2], hq[3])
+                leaves_q = judge_each([coarser(q, qi) for qi in leaf_prec], lambda r: source)
                 leaves_out = [dataclasses.replace(
                     lf, undetermined=True,
                     verdict=f"UNDETERMINED: fails at {p} but agrees with {q}, and the forward (undetermined: a "
@@ -615,7 +677,7 @@ def check_vjp(
     timing.lap("notes")
     return VJPReport(name=label, passed=all(lf.passed for lf in leaves_out) and all(c.passed for c in checks),
                      leaves=leaves_out, checks=checks, precision=model_lo, float64_status=f64_reason,
-                     notes=notes, environment=environment(), seed=seed)
+                     notes=notes, environment=environment(), seed=seed, program_precision=program_lines)
 
 
 def _structural_checks(pullback, ct, grads, args, names, model, n_g, m_g) -> list[Check]:

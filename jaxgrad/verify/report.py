@@ -114,6 +114,9 @@ class VJPReport:
     seed: int
     # Wall seconds per stage of check_vjp, compilation included (jaxgrad.verify.timing; "total" the whole call)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The precision of the forward and of each gradient read from fn's own program (program_precision.py):
+    # (output, description); empty where the program could not be read
+    program_precision: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def leaf(self, name: str, run: str | None = None) -> LeafResult:
         """The result for an argument leaf (by its name or a suffix of it, e.g. ``"[1]"``)."""
@@ -140,6 +143,8 @@ class VJPReport:
                f"default matmul precision {env['default_matmul_precision']}, seed {self.seed}",
                f"  as called: precision {self.precision.precision} -- {self.precision.source}",
                f"  float64 re-run: {self.float64_status}",
+               *([f"  precision read from fn's program (coarsest rounding on the way to each output):"]
+                 + [f"    {name}: {desc}" for name, desc in self.program_precision] if self.program_precision else []),
                "  gradients vs the float64 reference (error per entry divided by its sum of |terms|):"]
         rows = [[lf.name, "x".join(map(str, lf.shape)) or "()", lf.run, f"{lf.rel_err:.2e}",
                  "-" if lf.ref_rel_err is None else f"{lf.ref_rel_err:.1e}", f"{lf.cosine:.6f}",
@@ -153,7 +158,7 @@ class VJPReport:
         with_stats = [lf for lf in self.leaves if lf.stats is not None]
         if with_stats:
             st0 = with_stats[0].stats
-            out.append(f"  statistics ({self.precision.precision} rows; the reference emulated at {self.precision.precision} "
+            out.append(f"  statistics (each row at its run's precision; the reference emulated at that precision "
                        f"at {st0.replicas} perturbed points is the rounding the run should have; false-alarm rate "
                        f"{st0.alpha:g} per leaf under that model; model rel.err = its RMS normwise error):")
             out += [f"    {lf.name}: {lf.stats.summary()}" for lf in with_stats]
