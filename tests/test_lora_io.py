@@ -638,3 +638,132 @@ def test_merge_checks_for_inf_and_shapes():
         merge_adapters(params, bad, 1.0)
     with pytest.raises(TypeError, match="LoraConfig or the scale"):
         merge_adapters(params, random_adapters(cfg, 2, targets=("o_proj",)), "2")
+
+
+# --------------------------------------------------------------------------------------------- existing paths, corrupt files
+
+
+def _snapshot(directory: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_save_adapter_refuses_an_existing_adapter_unless_overwrite(tmp_path):
+    cfg = tiny_config()
+    lcfg = LoraConfig(r=2, lora_alpha=4, target_modules=("o_proj",))
+    first, second = random_adapters(cfg, 2, targets=("o_proj",), seed=1), random_adapters(cfg, 2, ("o_proj",), seed=2)
+    save_adapter(tmp_path / "a", first, lcfg)
+    (tmp_path / "a/README.md").write_text("my notes")
+    before = _snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match=r"save_adapter: '.*/a' already holds an adapter \(adapter_config\.json, "
+                                              r"adapter_model\.safetensors\); pass overwrite=True"):
+        save_adapter(tmp_path / "a", second, lcfg)
+    assert _snapshot(tmp_path) == before  # nothing written
+    save_adapter(tmp_path / "a", second, lcfg, overwrite=True)  # PEFT's save_pretrained behaviour, asked for
+    loaded, _ = load_adapter(tmp_path / "a")
+    np.testing.assert_array_equal(loaded["layers"][1]["self_attn"]["o_proj"]["lora_B"],
+                                  second["layers"][1]["self_attn"]["o_proj"]["lora_B"])
+    assert (tmp_path / "a/README.md").read_text() == "my notes"
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["README.md", "adapter_config.json",
+                                                                    "adapter_model.safetensors"]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b/notes.txt").write_text("x")
+    save_adapter(tmp_path / "b", first, lcfg)  # a directory without an adapter is written into
+
+
+def test_save_adapter_onto_a_file_is_named_and_leaves_it_alone(tmp_path):
+    cfg = tiny_config()
+    lcfg = LoraConfig(r=2, lora_alpha=4, target_modules=("o_proj",))
+    (tmp_path / "file").write_text("user data")
+    for target in (tmp_path / "file", tmp_path / "file" / "sub"):
+        for overwrite in (False, True):
+            with pytest.raises(FileExistsError, match=r"'.*/file' exists and is not a directory"):
+                save_adapter(target, random_adapters(cfg, 2, targets=("o_proj",)), lcfg, overwrite=overwrite)
+    assert (tmp_path / "file").read_text() == "user data"
+
+
+@pytest.mark.parametrize("with_params", [False, True])
+@pytest.mark.parametrize("content", [b"garbage", b"", "truncated"])
+def test_a_corrupt_adapter_weights_file_is_named(peft_copy, with_params, content):
+    path = peft_copy / "adapter_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if content == "truncated" else content)
+    params = load_hf_checkpoint(BASE_DIR)[1] if with_params else None
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors: not a readable safetensors file \(.*\); "
+                                           r"expected PEFT's adapter_model\.safetensors"):
+        load_adapter(peft_copy, params)
+
+
+def test_corrupt_adapter_config_and_bad_arguments_are_named(peft_copy, tmp_path):
+    with pytest.raises(NotADirectoryError, match="is a file; expected a directory"):
+        load_adapter(peft_copy / "adapter_config.json")
+    with pytest.raises(AdapterError, match="'n_layers' must be a positive int"):
+        load_adapter(peft_copy, n_layers=0)
+    with pytest.raises(AdapterError, match="'params' must be the base model pytree"):
+        load_adapter(peft_copy, [1, 2])
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 32), np.int32)},
+              str(peft_copy / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="has dtype int32; LoRA weights are floating point"):
+        load_adapter(peft_copy)
+    (peft_copy / "adapter_config.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(AdapterError, match=r"adapter_config\.json: not valid JSON"):
+        load_adapter(peft_copy)
+
+
+def test_an_adapter_entry_without_lora_a_is_named_in_merge_and_shape_checks():
+    cfg = tiny_config()
+    params = random_params(cfg)
+    bad = random_adapters(cfg, 2, targets=("o_proj",))
+    del bad["layers"][1]["self_attn"]["o_proj"]["lora_A"]
+    for fn in (lambda: merge_adapters(params, bad, 1.0), lambda: unmerge_adapters(params, bad, 1.0)):
+        with pytest.raises(AdapterError, match=r"adapters\['layers'\]\[1\]\['self_attn'\]\['o_proj'\] has no 'lora_A'"):
+            fn()
+
+
+def test_corrupt_hf_checkpoint_files_are_named(base_copy, tmp_path):
+    cfg_bytes = (base_copy / "config.json").read_bytes()
+    (base_copy / "config.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load_hf_checkpoint(base_copy)
+    (base_copy / "config.json").write_bytes(cfg_bytes)
+    with pytest.raises(NotADirectoryError, match="is a file; expected a directory"):
+        load_hf_checkpoint(base_copy / "config.json")
+    with pytest.raises(TypeError, match="'dtype' must be None .* or a floating dtype.*got 'int32'"):
+        load_hf_checkpoint(base_copy, dtype="int32")  # was: every weight truncated to integers, silently
+    with pytest.raises(TypeError, match="'dtype' must be None"):
+        load_hf_checkpoint(base_copy, dtype="nope")
+    with pytest.raises(TypeError, match="config override 'nonsense' is not a field of"):
+        load_hf_checkpoint(base_copy, nonsense=1)
+    cfg = tiny_config()
+    d = save_hf_checkpoint(tmp_path / "s", cfg, random_params(cfg), max_shard_size=3000)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    for value in (5, ["a"]):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**index["weight_map"], name: value}}))
+        with pytest.raises(CheckpointError, match=f"'weight_map' entry '{name}' is .*; expected a shard file name"):
+            load_hf_checkpoint(d)
+    (d / "model.safetensors.index.json").write_bytes(b"\xff")
+    with pytest.raises(CheckpointError, match="expected JSON with a 'weight_map' object"):
+        load_hf_checkpoint(d)
+
+
+def test_save_hf_checkpoint_refuses_an_existing_one_and_overwrite_replaces_either_layout(tmp_path):
+    cfg = tiny_config()
+    first, second = random_params(cfg, seed=1), random_params(cfg, seed=2)
+    d = save_hf_checkpoint(tmp_path / "m", cfg, first)
+    (d / "README.md").write_text("model card")
+    before = _snapshot(tmp_path)
+    with pytest.raises(FileExistsError, match=r"'.*/m' already holds a checkpoint \(config\.json, model\.safetensors\)"):
+        save_hf_checkpoint(d, cfg, second, max_shard_size=3000)
+    with pytest.raises(ValueError, match="max_shard_size"):
+        save_hf_checkpoint(tmp_path / "n", cfg, second, max_shard_size=0)
+    assert _snapshot(tmp_path) == before and not (tmp_path / "n").exists()  # nothing written
+    # single file -> shards: the old model.safetensors would shadow the new shards on load; it goes
+    save_hf_checkpoint(d, cfg, second, max_shard_size=3000, overwrite=True)
+    assert not (d / "model.safetensors").exists() and (d / "README.md").read_text() == "model card"
+    np.testing.assert_array_equal(load_hf_checkpoint(d)[1]["norm"]["weight"], second["norm"]["weight"])
+    save_hf_checkpoint(d, cfg, first, overwrite=True)  # and back: no shard or index left
+    assert sorted(p.name for p in d.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    np.testing.assert_array_equal(load_hf_checkpoint(d)[1]["norm"]["weight"], first["norm"]["weight"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+        save_hf_checkpoint(tmp_path / "file", cfg, first, overwrite=True)

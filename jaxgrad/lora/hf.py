@@ -38,7 +38,9 @@ model in NF4 never holds the whole dense model in host memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -86,13 +88,16 @@ def read_llama_config(directory: str | pathlib.Path, **overrides: Any) -> LlamaC
         raise FileNotFoundError(f"{str(path)!r} is missing (a Hugging Face checkpoint needs {CONFIG_NAME})")
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(raw, Mapping):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type", "llama")
     if model_type != "llama":
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported (only 'llama')")
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(LlamaConfig)})
+    if unknown:
+        raise TypeError(f"config override {unknown[0]!r} is not a field of jaxgrad.lora.config.LlamaConfig")
     try:
         return LlamaConfig.from_hf_dict(raw, **overrides)
     except ValueError as exc:
@@ -166,6 +171,20 @@ def _shape_of(tensors: Mapping[str, Any], name: str) -> tuple[int, ...]:
     return shape(name) if shape is not None else tuple(np.shape(tensors[name]))
 
 
+def _check_float_dtype(dtype: Any) -> None:
+    """``dtype`` (the cast of every weight) must be ``None`` or a floating dtype: an integer cast would truncate
+    the weights without a word."""
+    if dtype is None:
+        return
+    try:
+        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"'dtype' must be None (as stored) or a floating dtype (float32, bfloat16, float16, float64), "
+                        f"got {dtype!r}")
+
+
 def _is_projection(name: str) -> bool:
     parts = name.split(".")
     return len(parts) == 6 and parts[1] == "layers" and parts[4] in MODULE_GROUPS
@@ -189,6 +208,7 @@ def params_from_state_dict(
     """
     if quantize not in (None, "nf4"):
         raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
+    _check_float_dtype(dtype)
     want = expected_shapes(config)
     for name in tensors:
         if name in want or _is_ignorable_extra(name):
@@ -297,10 +317,13 @@ def _read_weights(directory: pathlib.Path) -> _SafetensorsFiles:
         )
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({exc})") from None
     if not isinstance(weight_map, Mapping) or not weight_map:
         raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object {{name: shard file}}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{index}: 'weight_map' entry {name!r} is {shard!r}; expected a shard file name")
     files: dict[str, pathlib.Path] = {}
     for shard in sorted(set(weight_map.values())):
         if not isinstance(shard, str) or pathlib.Path(shard).name != shard:
@@ -334,10 +357,14 @@ def load_hf_checkpoint(
     ``config_overrides``: LlamaConfig fields to replace (e.g. ``gradient_checkpointing``).
     """
     directory = pathlib.Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"checkpoint directory {str(directory)!r} is a file; expected a directory holding "
+                                 f"{CONFIG_NAME} and the safetensors weights")
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
     if quantize not in (None, "nf4"):
         raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
+    _check_float_dtype(dtype)
     config = read_llama_config(directory, **config_overrides)
     tensors = _read_weights(directory)
     params = params_from_state_dict(tensors, config, dtype=dtype, quantize=quantize, blocksize=blocksize,
@@ -351,22 +378,39 @@ def save_hf_checkpoint(
     params: Mapping[str, Any],
     *,
     max_shard_size: int | None = None,
+    overwrite: bool = False,
 ) -> pathlib.Path:
     """Write ``config.json`` and the weights as transformers does: one ``model.safetensors``, or, with
     ``max_shard_size`` (bytes), shards ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``.
-    NF4 weights are written dequantised (e.g. a merged QLoRA model)."""
+    NF4 weights are written dequantised (e.g. a merged QLoRA model).
+
+    A ``directory`` that already holds a checkpoint (``config.json`` or weights) is refused (``FileExistsError``
+    naming it) unless ``overwrite=True``, which replaces that checkpoint: its ``config.json``, and its weight files
+    in either layout (a single ``model.safetensors`` left next to new shards would be what the loader reads);
+    other files are kept. Everything is checked before anything is written.
+    """
     from safetensors.numpy import save_file
 
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    from jaxgrad.lora.peft import _check_output_directory, _replacing
+
+    if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
+                                       or max_shard_size <= 0):
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"save_hf_checkpoint: 'config' must be a LlamaConfig, got {type(config).__name__}")
     tensors = state_dict_from_params(params, config)
-    (directory / CONFIG_NAME).write_text(json.dumps(llama_config_to_hf_dict(config), indent=2) + "\n")
+    directory = pathlib.Path(directory)
+    old_files = _checkpoint_files(directory)
+    _check_output_directory(directory, [p.name for p in old_files] or [CONFIG_NAME], overwrite,
+                            "save_hf_checkpoint", "a checkpoint")
+    with _replacing(directory / CONFIG_NAME) as tmp:
+        tmp.write_text(json.dumps(llama_config_to_hf_dict(config), indent=2) + "\n")
     meta = {"format": "pt"}
     if max_shard_size is None:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(directory / SAFE_WEIGHTS_NAME), meta)
+        with _replacing(directory / SAFE_WEIGHTS_NAME) as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), meta)
+        _remove_stale(old_files, {CONFIG_NAME, SAFE_WEIGHTS_NAME})
         return directory
-    if max_shard_size <= 0:
-        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, value in tensors.items():
@@ -379,11 +423,32 @@ def save_hf_checkpoint(
     weight_map = {}
     for k, shard in enumerate(shards, start=1):
         file = f"model-{k:05d}-of-{n:05d}.safetensors"
-        save_file({name: np.ascontiguousarray(v) for name, v in shard.items()}, str(directory / file), meta)
+        with _replacing(directory / file) as tmp:
+            save_file({name: np.ascontiguousarray(v) for name, v in shard.items()}, str(tmp), meta)
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": int(sum(v.nbytes for v in tensors.values()))}, "weight_map": weight_map}
-    (directory / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    with _replacing(directory / SAFE_WEIGHTS_INDEX_NAME) as tmp:
+        tmp.write_text(json.dumps(index, indent=2) + "\n")
+    _remove_stale(old_files, {CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, *weight_map.values()})
     return directory
+
+
+def _remove_stale(old_files: list[pathlib.Path], written: set[str]) -> None:
+    """After an ``overwrite=True`` save: delete the replaced checkpoint's files that the new one did not rewrite
+    (the other layout's weights, surplus shards), once the new checkpoint is complete."""
+    for path in old_files:
+        if path.name not in written and path.exists():
+            path.unlink()
+
+
+def _checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The files of a transformers checkpoint in ``directory``: ``config.json``, ``model.safetensors``, the index
+    and its ``model-*-of-*.safetensors`` shards (what :func:`save_hf_checkpoint` writes)."""
+    if not directory.is_dir():
+        return []
+    names = (CONFIG_NAME, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
+    return sorted([directory / n for n in names if (directory / n).is_file()]
+                  + [p for p in directory.glob("model-*-of-*.safetensors") if p.is_file()])
 
 
 # --------------------------------------------------------------------------------------------- quantisation

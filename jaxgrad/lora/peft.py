@@ -32,12 +32,14 @@ Re-quantising a merged weight (:func:`jaxgrad.lora.hf.quantize_projections`) is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import os
 import pathlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -371,7 +373,16 @@ def check_adapter_shapes(adapters: Mapping[str, Any], params: Mapping[str, Any],
             factors = layer.get(group, {}).get(module)
             if factors is None:
                 continue
-            out_f, in_f = _weight_shape(base[group][module]["weight"])
+            where = f"adapters['layers'][{i}][{group!r}][{module!r}]"
+            missing = [f for f in ("lora_A", "lora_B") if not isinstance(factors, Mapping) or f not in factors]
+            if missing:
+                raise AdapterError(f"{where} has no {missing[0]!r} (each adapted module needs 'lora_A' [r, in] and "
+                                   f"'lora_B' [out, r])")
+            try:
+                out_f, in_f = _weight_shape(base[group][module]["weight"])
+            except (KeyError, IndexError, TypeError, ValueError):
+                raise AdapterError(f"{where}: params has no 2-D weight model.layers.{i}.{group}.{module}.weight "
+                                   f"for it") from None
             a, b = factors["lora_A"], factors["lora_B"]
             rank = r if r is not None else np.shape(a)[0]
             where = f"for base weight model.layers.{i}.{group}.{module}.weight {(out_f, in_f)}"
@@ -400,11 +411,19 @@ def save_adapter(
     lora_config: Any,
     *,
     base_model_name_or_path: str | None = None,
+    overwrite: bool = False,
 ) -> pathlib.Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's names and layouts) into
     ``directory`` (created if needed). ``lora_config``: an object or mapping with ``r``, ``lora_alpha``,
     ``target_modules`` and optionally ``lora_dropout``, ``use_rslora``, ``init_lora_weights``. The weights'
-    targets must be what ``target_modules`` resolves to."""
+    targets must be what ``target_modules`` resolves to.
+
+    A ``directory`` that already holds either file is refused (``FileExistsError`` naming it) unless
+    ``overwrite=True``, which replaces those two files and nothing else (PEFT's ``save_pretrained`` overwrites
+    without asking; here replacing a saved adapter is asked for). A ``directory`` that is an existing file is
+    refused either way. Everything is checked before anything is written; each file is written to a temporary
+    name in ``directory`` and then renamed over its target, so an interrupted save leaves no half-written file.
+    """
     from safetensors.numpy import save_file
 
     fields = _lora_fields(lora_config)
@@ -424,12 +443,46 @@ def save_adapter(
         ):
             raise AdapterError(f"{key}: shape {value.shape} does not have rank r={fields['r']} in the right place")
     directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    _check_output_directory(directory, (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME), overwrite, "save_adapter",
+                            "an adapter")
     cfg = adapter_config_json(**fields, base_model_name_or_path=base_model_name_or_path)
-    (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(directory / ADAPTER_WEIGHTS_NAME),
-              metadata={"format": "pt"})
+    with _replacing(directory / ADAPTER_CONFIG_NAME) as tmp:
+        tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    with _replacing(directory / ADAPTER_WEIGHTS_NAME) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
     return directory
+
+
+def _check_output_directory(directory: pathlib.Path, names: Sequence[str], overwrite: bool, caller: str,
+                            what: str) -> None:
+    """Refuse (``FileExistsError``, naming the path) a ``directory`` that is a file or holds any of ``names``
+    (unless ``overwrite``); then create it. Nothing is written or deleted here."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"{caller}: 'overwrite' must be True or False, got {overwrite!r}")
+    for parent in (directory, *directory.parents):
+        if parent.exists() and not parent.is_dir():
+            raise FileExistsError(f"{caller}: {str(parent)!r} exists and is not a directory; {caller} writes "
+                                  f"{what} into a directory (nothing was written)")
+    if directory.is_dir() and not overwrite:
+        present = [n for n in names if (directory / n).exists()]
+        if present:
+            listing = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+            raise FileExistsError(f"{caller}: {str(directory)!r} already holds {what} ({listing}); pass "
+                                  f"overwrite=True to replace it, or choose another directory (nothing was written)")
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def _replacing(path: pathlib.Path):
+    """Yield a temporary path next to ``path``; rename it over ``path`` when the block succeeds, delete it
+    otherwise (an interrupted save never leaves a half-written ``path``)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def _lora_fields(lora_config: Any) -> dict[str, Any]:
@@ -476,6 +529,9 @@ def load_adapter(
 
     directory = pathlib.Path(directory)
     cfg_path, w_path = directory / ADAPTER_CONFIG_NAME, directory / ADAPTER_WEIGHTS_NAME
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"adapter directory {str(directory)!r} is a file; expected a directory holding "
+                                 f"{ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME}")
     if not directory.is_dir():
         raise FileNotFoundError(f"adapter directory {str(directory)!r} does not exist")
     if not cfg_path.is_file():
@@ -488,7 +544,7 @@ def load_adapter(
         raise FileNotFoundError(f"{str(w_path)!r} is missing{hint}")
     try:
         raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{cfg_path}: not valid JSON: {exc}") from None
     fields = parse_adapter_config(raw, source=str(cfg_path))
     theirs = fields["base_model_name_or_path"]
@@ -497,13 +553,25 @@ def load_adapter(
             f"{cfg_path}: base_model_name_or_path is {theirs!r}, but the base model is {base_model_name_or_path!r}"
         )
     if params is not None:
+        if not isinstance(params, Mapping) or not isinstance(params.get("layers"), (list, tuple)):
+            raise AdapterError(f"load_adapter: 'params' must be the base model pytree {{'layers': [...], ...}}, got "
+                               f"{type(params).__name__}")
         n_layers = len(params["layers"])
-    if n_layers is None:
-        n_layers = 1 + max((int(m.group(1)) for k in _safe_keys(w_path) if (m := _KEY_RE.match(k))), default=-1)
+    elif n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0):
+        raise AdapterError(f"load_adapter: 'n_layers' must be a positive int, got {n_layers!r}")
     try:
+        if n_layers is None:
+            n_layers = 1 + max((int(m.group(1)) for k in _safe_keys(w_path) if (m := _KEY_RE.match(k))), default=-1)
         tensors = load_file(str(w_path))
-    except SafetensorError as exc:
-        raise AdapterError(f"{w_path}: not a readable safetensors file: {exc}") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(f"{w_path}: not a readable safetensors file ({exc}); expected PEFT's "
+                           f"{ADAPTER_WEIGHTS_NAME}") from None
+    if not tensors:
+        raise AdapterError(f"{w_path}: holds no tensors; expected the LoRA weights "
+                           f"'{PEFT_KEY_PREFIX}.<i>.<self_attn|mlp>.<module>.lora_A|lora_B.weight'")
+    for key, value in tensors.items():
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise AdapterError(f"{w_path}: {key!r} has dtype {value.dtype}; LoRA weights are floating point")
     adapters = state_dict_to_adapters(tensors, n_layers, source=str(w_path))
     expected = resolve_target_modules(fields["target_modules"], n_layers)
     found = _targets_of(adapters)
