@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "DEFAULT_RESULTS_DIR",
     "PEAKS",
     "DevicePeaks",
     "Row",
@@ -559,13 +560,22 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+#: Where results go unless asked otherwise: relative to the current directory and git-ignored in a checkout
+#: (``/runs/``), so a benchmark run never edits the committed ``benchmarks/results/`` the README's tables are
+#: generated from; adding a result there is an explicit ``out_dir="benchmarks/results"``.
+DEFAULT_RESULTS_DIR = "runs/bench"
+
+
 def write_results(
     rows: Sequence[Row],
     name: str,
-    out_dir: str | pathlib.Path = "benchmarks/results",
+    out_dir: str | pathlib.Path = DEFAULT_RESULTS_DIR,
     env: Mapping[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write ``<out_dir>/<name>-<device-slug>-<YYYYmmdd-HHMMSS>.json`` and a sibling ``.txt`` table.
+
+    ``out_dir`` defaults to :data:`DEFAULT_RESULTS_DIR` (``runs/bench``, git-ignored); the committed results the
+    README's tables come from are ``benchmarks/results``, written only when passed explicitly.
 
     The JSON holds ``{"environment": ..., "rows": [...]}``; the ``.txt`` is :func:`format_table`. The directory is
     created if needed, and an existing file of the same name is never overwritten. Returns the JSON path.

@@ -1,8 +1,12 @@
 #!/usr/bin/env python
-"""Run one jaxgrad benchmark suite, print its table and write it to ``benchmarks/results``.
+"""Run one jaxgrad benchmark suite, print its table and write it to ``runs/bench`` (or ``--out DIR``).
 
-    python scripts/bench.py SUITE [--sizes small|full] [--out benchmarks/results] [--repeats N]
+    python scripts/bench.py SUITE [--sizes small|full] [--out runs/bench] [--repeats N]
                                   [--precision default|highest] [--variants SUBSTR,...] [--budget-s S]
+
+Results go to ``runs/bench/`` under the current directory by default (``/runs/`` is git-ignored in a checkout), so
+running a benchmark never changes the repository: the README's tables are generated from the committed
+``benchmarks/results/``, and a result joins them only when asked for, with ``--out benchmarks/results``.
 
 All variants of a suite are timed one after the other in this process (the GPU machines are shared and noisy, so
 only side-by-side numbers are compared). The ``lora`` suite (:mod:`jaxgrad.lora.bench`) runs each variant in a
@@ -510,32 +514,73 @@ SUITES: dict[str, Callable[..., list[bm.Row]]] = {"swiglu": suite_swiglu, "kan":
                                                   "lora": suite_lora, "lora_model": suite_lora_model,
                                                   "lora_proj": suite_lora_proj, "attention": suite_attention}
 FRESH_PROCESS_SUITES = ("lora", "lora_model")  # each variant in a child process: --variants, --budget-s
+DEFAULT_OUT = bm.DEFAULT_RESULTS_DIR  # runs/bench: git-ignored; --out benchmarks/results to commit a result
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--sizes", choices=["small", "full", "long"], default=None,
                    help="problem sizes (default: full on a GPU, small elsewhere; long: lora / attention at seq 8192)")
-    p.add_argument("--out", default="benchmarks/results", help="results directory (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per variant (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls per variant (default: %(default)s)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="results directory (default: %(default)s, git-ignored; "
+                                                      "--out benchmarks/results adds a result to the committed "
+                                                      "ones the README's tables are made from)")
+    p.add_argument("--repeats", type=_int_at_least(1), default=20,
+                   help="timed calls per variant (default: %(default)s)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed calls per variant (default: %(default)s)")
     p.add_argument("--precision", choices=["default", "highest"], default="default",
                    help="jax default matmul precision for the whole run (default: %(default)s)")
     p.add_argument("--variants", default=None,
                    help="comma-separated substrings: run only the variants whose name contains one (lora, "
                         "lora_model suites)")
-    p.add_argument("--budget-s", type=float, default=None,
+    p.add_argument("--budget-s", type=_positive_float, default=None,
                    help="wall-clock budget of the whole suite in seconds (lora, lora_model suites: variants that "
                         "do not fit are not started)")
-    return p.parse_args(argv)
+    return p
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    for parent in (out, *out.parents):  # checked now, not after the suite has run
+        if parent.exists() and not parent.is_dir():
+            parser.error(f"--out {args.out}: {parent} exists and is not a directory")
+    if args.sizes == "long" and args.suite not in ("lora", "attention"):
+        parser.error(f"--sizes long is only defined for the lora and attention suites (seq 8192), not {args.suite!r}")
+    if (args.variants or args.budget_s is not None) and args.suite not in FRESH_PROCESS_SUITES:
+        parser.error(f"--variants and --budget-s are only implemented for the {' and '.join(FRESH_PROCESS_SUITES)} "
+                     f"suites, not {args.suite!r}")
     if args.suite in FRESH_PROCESS_SUITES:  # variants in child processes: this one must not preallocate the GPU
         from jaxgrad.lora.bench import parent_setup
 
@@ -543,12 +588,6 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ("full" if jax.default_backend() == "gpu" else "small")
     ctx = jax.default_matmul_precision("highest") if args.precision == "highest" else contextlib.nullcontext()
     extra = {}
-    if sizes == "long" and args.suite not in ("lora", "attention"):
-        raise SystemExit(f"--sizes long is only defined for the lora and attention suites (seq 8192), not "
-                         f"{args.suite!r}")
-    if (args.variants or args.budget_s is not None) and args.suite not in FRESH_PROCESS_SUITES:
-        raise SystemExit(f"--variants and --budget-s are only implemented for the {' and '.join(FRESH_PROCESS_SUITES)}"
-                         f" suites, not {args.suite!r}")
     if args.variants:
         extra["variants"] = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.budget_s is not None:
@@ -564,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     path = bm.write_results(rows, args.suite, args.out, env=env)
     if notes:
         path.with_suffix(".txt").write_text(table)
-    print(f"wrote {path} and {path.with_suffix('.txt').name}")
+    print(f"wrote {path.resolve()} and {path.with_suffix('.txt').name}")
     skipped = [r.variant for r in rows if r.median_ms is None and r.notes.startswith("skipped")]
     if skipped:
         print(f"note: {len(skipped)} variant(s) skipped: {skipped}")

@@ -119,26 +119,80 @@ def test_run_variants_and_write_results(tmp_path, tiny):
     assert again != path and again.exists()
 
 
+def test_write_results_defaults_to_the_git_ignored_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    row = bm.Row(suite="toy", variant="v", sizes={"n": 1}, dtype="f32", precision="default")
+    path = bm.write_results([row], "toy", env={"device_kind": "cpu"})
+    assert path.parent == pathlib.Path("runs/bench") and path.exists()
+    assert "/runs/" in (REPO / ".gitignore").read_text().split()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["swiglu", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    (["swiglu", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+    (["lora", "--budget-s", "0"], "argument --budget-s: expected a number of seconds > 0, got 0"),
+    (["kan", "--sizes", "long"], "--sizes long is only defined for the lora and attention suites"),
+    (["kan", "--variants", "xla"], "--variants and --budget-s are only implemented for the lora and lora_model"),
+    (["nosuch"], "argument suite: invalid choice: 'nosuch'"),
+])
+def test_bench_script_bad_arguments_exit_2_with_one_error_line(args, needle, capsys):
+    from jaxgrad.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and needle in err, err
+    assert [line for line in err.splitlines() if "error:" in line] == [err.splitlines()[-1]] and "Traceback" not in err
+
+
+def test_bench_script_out_that_is_a_file_is_refused_before_the_suite_runs(tmp_path, capsys):
+    from jaxgrad.cli import main
+
+    (tmp_path / "results").write_text("not a directory")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "swiglu", "--out", str(tmp_path / "results" / "sub")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"error: --out {tmp_path}/results/sub: {tmp_path}/results exists and is not a " \
+        "directory" in err
+    assert (tmp_path / "results").read_text() == "not a directory"
+
+
 def test_device_slug():
     assert bm.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert bm.device_slug("cpu") == "cpu"
 
 
-def test_bench_script_swiglu_small(tmp_path):
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench.py", "swiglu", "--sizes", "small", "--repeats", "2", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (path,) = out.glob("swiglu-*.json")
+def _committed_results() -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in (REPO / "benchmarks/results").iterdir()}
+
+
+def test_bench_script_swiglu_small_writes_outside_the_repository_by_default():
+    # the documented command, run from the checkout without --out, must not touch the committed results the
+    # README's tables come from: it writes into the git-ignored runs/bench (these files are removed afterwards)
+    before, out = _committed_results(), REPO / "runs/bench"
+    earlier = set(out.glob("swiglu-*")) if out.exists() else set()
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "swiglu", "--sizes", "small", "--repeats", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    written = sorted(set(out.glob("swiglu-*")) - earlier) if out.exists() else []
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert _committed_results() == before
+        assert bm.DEFAULT_RESULTS_DIR == "runs/bench" and f"wrote {out}/swiglu-" in proc.stdout
+        assert [p.suffix for p in written] == [".json", ".txt"]
+        _check_swiglu_small_result(written[0], proc.stdout)
+    finally:
+        for p in written:
+            p.unlink()
+
+
+def _check_swiglu_small_result(path: pathlib.Path, stdout: str) -> None:
     data = json.loads(path.read_text())
     rows = data["rows"]
     assert {r["variant"] for r in rows} == {"pallas", "xla", "jax.grad(reference)"}
     assert {r["dtype"] for r in rows} == {"f32", "bf16"}
     assert all(r["median_ms"] > 0 and r["sizes"]["shape"] == [64, 96] for r in rows)
     assert all(r["bytes_moved"] == 8 * 64 * 96 * {"f32": 4, "bf16": 2}[r["dtype"]] for r in rows)
-    assert path.with_suffix(".txt").exists() and "jax.grad(reference)" in proc.stdout
+    assert path.with_suffix(".txt").exists() and "jax.grad(reference)" in stdout
 
 
 def test_bench_script_lora_proj_small(tmp_path):
