@@ -2,7 +2,8 @@
 computed block by block. On the CPU the kernels run in Pallas interpret mode (any dtype, float64 included).
 
 * the forward's O and lse equal attention_fwd's in float64 (causal, GQA 3/1 and 4/2, seq 77 with blocks 16/32, head_dim 8,
-  16 and 128, left and right padding, a fully padded row: O = 0, lse = -inf);
+  16 and 128, left and right padding, gaps in the mask inside and across blocks, left padding over a whole block, a
+  fully padded row: O = 0, lse = -inf);
 * the backward equals jax.grad of attention_reference in float64 to ~1e-12, and jaxgrad.verify passes it in
   float32 and bf16 as called; planted bugs (dv scaled by 1.01, a dropped GQA group term) fail that verification;
 * rows with no visible key give output 0 and zero gradients, never NaN;
@@ -34,11 +35,13 @@ def qkv(seed, t, hq, hkv, d, dtype=jnp.float32, b=B):
     return [jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(dtype) for kk, h in zip(ks, (hq, hkv, hkv))]
 
 
-def padding(t, left=0, right=0, full_row=False):
-    """HF [B, T] mask: row 0 left-padded by ``left``, row 1 right-padded by ``right`` (or fully padded)."""
+def padding(t, left=0, right=0, full_row=False, gaps=()):
+    """HF [B, T] mask: row 0 left-padded by ``left``, row 1 right-padded by ``right`` (or fully padded); both rows
+    padded at the positions ``gaps`` too."""
     m = np.ones((B, t), np.int32)
     m[0, :left] = 0
     m[1, t - right:] = 0
+    m[:, list(gaps)] = 0
     if full_row:
         m[1] = 0
     return jnp.asarray(m)
@@ -50,6 +53,9 @@ CASES = {
     "gqa4/2-seq77-blocks32/16-d8-left+right": (77, 4, 2, 8, 32, 16, dict(left=5, right=9)),
     "gqa3/1-seq20-default-blocks-d128-fully-padded-row": (20, 3, 1, 128, None, None, dict(left=3, full_row=True)),
     "mha2/2-seq33-blocks16-d16-left": (33, 2, 2, 16, 16, 16, dict(left=17)),
+    # gaps inside and across block boundaries (16, 32); row 0's left padding covers the whole first kv block and
+    # the first q block has no visible key there
+    "gqa4/2-seq40-blocks16-d8-left+gaps": (40, 4, 2, 8, 16, 16, dict(left=18, gaps=(3, 4, 15, 16, 17, 31, 32, 33))),
 }
 
 

@@ -87,13 +87,36 @@ it); ``"pallas"`` is this VJP with both RMSNorms, SwiGLU and the NF4 base produc
 forward (and its recompute) as one Mosaic GPU kernel on Hopper (:mod:`jaxgrad.ops.lora_linear_mgpu`). ``attention="cudnn"`` runs the attention core through
 ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``
 taken once in the backward's recompute, so cuDNN's forward runs once there; nothing is saved for it in the
-forward); a padding mask is then passed as per-row key lengths, so it must be right padding.
-``attention="pallas"`` runs the attention core as the flash-attention Pallas kernels of
+forward). ``attention="pallas"`` runs the attention core as the flash-attention Pallas kernels of
 :mod:`jaxgrad.ops.flash_attention` (the same equations and saved ``lse`` as ``"xla"``, no ``T x T`` matrix; its
 forward kernel runs again in the backward's recompute for ``O``).
+
+**Padding masks.** ``attention_mask`` is HF's ``[batch, seq]`` mask (1 = token, 0 = padding; it masks keys), any
+pattern: right or left padding, gaps, sequences of padding only. Every backend and attention implementation gives
+the plain reference's function (:func:`jaxgrad.ops.attention.attention_reference`), forward and backward, the
+recompute in the VJP's backward included; a query row with no visible key gets attention output 0 and adds nothing
+to any gradient, never NaN:
+
+* ``attention="xla"`` (and the ``"reference"`` backend's plain attention): the mask in the score matrix
+  (:mod:`jaxgrad.ops.attention`);
+* ``attention="pallas"``: each kernel loads the key validity of its kv block (:mod:`jaxgrad.ops.flash_attention`);
+* ``attention="cudnn"``: a concrete right-padded mask (:func:`jaxgrad.ops.attention.right_padded`) goes to cuDNN as
+  per-row key lengths, its fast padding-causal form with no mask tensor; any other mask -- left padding, gaps, and
+  every mask under ``jit``, whose values are unknown when the block is traced -- as a boolean ``[B, 1, T, T]`` mask
+  that cuDNN adds as a bias (one ``[B, T, T]`` tensor in the activation dtype); rows with no visible key are zeroed
+  after it (:func:`_cudnn_attention`, which also pads an odd ``T`` by one position: cuDNN's training rule in JAX
+  0.11 refuses odd lengths). To keep the key-lengths form under ``jit``, close over a concrete right-padded mask
+  instead of passing it as an argument.
+
+A concrete mask is checked where it enters (:func:`block`, :func:`block_reference`,
+:func:`jaxgrad.lora.model.apply`): ``[batch, seq]`` and 0/1 values only (or bool), else a ``ValueError`` naming
+``attention_mask``. Under ``jit`` the values cannot be checked: any non-zero entry is then a token. Segment ids for
+packed sequences are not supported.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +125,8 @@ import numpy as np
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.lora.grouped import group_bwd, group_fwd, groupable
 from jaxgrad.lora.kernels import BACKENDS, XLA, BlockKernels
-from jaxgrad.ops.attention import attention_bwd, attention_fwd, attention_out_from_lse, attention_reference
+from jaxgrad.ops.attention import (attention_bwd, attention_fwd, attention_out_from_lse, attention_reference,
+                                   check_attention_mask, right_padded)
 from jaxgrad.ops.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
 from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_linear_fwd, lora_linear_reference
 from jaxgrad.ops.rmsnorm import rms_norm_reference
@@ -185,8 +209,7 @@ def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | 
                              f"{tuple(entry['lora_B'].shape)}")
     if positions is not None and np.shape(positions) not in ((t,), (b, t)):
         raise ValueError(f"block: 'positions' must be [seq] or [batch, seq] = {(b, t)}, got {np.shape(positions)}")
-    if attention_mask is not None and np.shape(attention_mask) != (b, t):
-        raise ValueError(f"block: 'attention_mask' must be [batch, seq] = {(b, t)}, got {np.shape(attention_mask)}")
+    check_attention_mask(attention_mask, b, t, "block")  # [batch, seq]; 0/1 values where concrete
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,6 +247,7 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
     ``jax.nn.dot_product_attention`` in place of the plain attention (what a JAX user would write; benchmarks)."""
     dt = x.dtype
     b, t, _ = x.shape
+    check_attention_mask(attention_mask, b, t, "block_reference")
     s = 0.0 if lcfg is None else lcfg.scale
 
     def proj(h, g, n):
@@ -248,7 +272,7 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
     elif attention == "pallas":
         o = flash_attention(q, k, v, attention_mask)  # its own custom VJP under jax.grad
     else:
-        o = _cudnn_attention(q, k, v, attention_mask, attention)
+        o = _cudnn_attention(q, k, v, attention_mask, attention, key_lengths=right_padded(attention_mask))
     x2 = x + proj(o.reshape(b, t, hq * d), "self_attn", "o_proj")
     h2 = rms_norm_reference(x2, params["post_attention_layernorm"]["weight"], eps)
     m = swiglu_reference(proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj"))
@@ -258,19 +282,59 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
 # ---------------------------------------------------------------------------------------------------------------
 # The custom VJP
 # ---------------------------------------------------------------------------------------------------------------
-def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False, repeat_kv=False):
-    """``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation, for CPU tests).
+def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False, repeat_kv=False, key_lengths=False):
+    """Causal GQA attention through ``jax.nn.dot_product_attention``, honouring any ``[B, T]`` padding mask.
+
+    ``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation, for CPU tests).
     ``return_residual``: ``(O, lse)``, cuDNN's training-mode forward (see :func:`_recompute_attention`).
     ``repeat_kv``: ``K`` and ``V`` repeated to the query heads first (head ``h`` reads kv head ``h // G``, as GQA
     does; the repeat's VJP sums each group's ``dK``, ``dV``): cuDNN's MHA kernels instead of its GQA ones
-    (:class:`jaxgrad.lora.kernels.BlockKernels`' ``cudnn_repeat_kv``)."""
+    (:class:`jaxgrad.lora.kernels.BlockKernels`' ``cudnn_repeat_kv``).
+
+    The mask, in one of two forms (the caller picks; both give :func:`jaxgrad.ops.attention.attention_reference`'s
+    function):
+
+    * ``key_lengths=True``, only for a mask known to be right padding (a concrete one,
+      :func:`jaxgrad.ops.attention.right_padded`): per-row key lengths (``key_value_seq_lengths``, cuDNN's
+      padding-causal mask: no mask tensor). A row of padding only gets length 1 (its output is zeroed below).
+    * otherwise (left padding, gaps, any mask under ``jit``): a boolean ``[B, 1, T, T]`` mask of the valid keys
+      (``mask=``; cuDNN adds it as a bias of 0 / a large negative number, in training and in its backward, with no
+      bias gradient for a boolean mask).
+
+    Query rows with no visible key (no token at or before them) get output 0 (``where``: their cotangent is 0, so
+    they add nothing to any gradient), as in the reference; in either form cuDNN gives such a row a finite, uniform
+    softmax over masked keys, never NaN.
+
+    An odd ``T`` is padded by one position, with or without a mask: JAX 0.11's cuDNN training rule refuses odd
+    lengths ("Unsupported sequence length Q 77, KV 77": its bias check counts the empty placeholder it passes when
+    there is no bias). The extra key comes after every real query (causal: none sees it; it is padding in the mask
+    form and beyond every key length) and the extra query row is dropped, so the result is unchanged."""
     implementation = attn.split(":", 1)[1] if attn.startswith("sdpa:") else attn
-    lengths = None if attention_mask is None else jnp.sum(attention_mask != 0, axis=-1).astype(jnp.int32)
     g = q.shape[2] // k.shape[2]
     if repeat_kv and g > 1:
         k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
-                                        implementation=implementation, return_residual=return_residual)
+    b, t = q.shape[:2]
+    pad = t % 2
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, 1), (0, 0), (0, 0))) for a in (q, k, v))
+    sdpa = functools.partial(jax.nn.dot_product_attention, q, k, v, is_causal=True, implementation=implementation,
+                             return_residual=return_residual)
+    valid = None if attention_mask is None else jnp.asarray(attention_mask) != 0  # [B, T]: the keys
+    if valid is None:
+        out = sdpa()
+    elif key_lengths:
+        out = sdpa(key_value_seq_lengths=jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(jnp.int32))
+    else:
+        valid_p = jnp.pad(valid, ((0, 0), (0, pad)))  # the extra key (odd T) is padding
+        out = sdpa(mask=jnp.broadcast_to(valid_p[:, None, None, :], (b, 1, t + pad, t + pad)))
+    if pad:
+        out = tuple(a[:, :t] for a in out) if return_residual else out[:, :t]
+    if valid is None:
+        return out
+    o, res = out if return_residual else (out, None)
+    seen = jnp.cumsum(valid.astype(jnp.int32), axis=-1) > 0  # [B, T]: the query row sees at least one key
+    o = jnp.where(seen[:, :, None, None], o, jnp.zeros((), o.dtype))
+    return (o, res) if return_residual else o
 
 
 def _dropout(lcfg, dropout_key) -> bool:
@@ -335,7 +399,8 @@ def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, ls
         # custom call from the backward's, so XLA could not merge the two (two cuDNN forwards per step, 0.15 ms
         # each in session 11's profile); identical calls are merged (CSE) when both are in one program
         (o, cudnn_lse), pull = jax.vjp(
-            lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True, kern.cudnn_repeat_kv), q, k, v)
+            lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True, kern.cudnn_repeat_kv,
+                                             kern.cudnn_key_lengths), q, k, v)
         attn_pullback = lambda do: pull((do, jnp.zeros_like(cudnn_lse)))  # noqa: E731 - O's cotangent only
     elif lse is None:
         o, lse = attention_fwd(q, k, v, attention_mask)
@@ -477,14 +542,16 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       x: ``[batch, seq, hidden]`` (bf16, f32 or f64).
       cfg, lcfg: :class:`LlamaConfig`, :class:`LoraConfig` (``None``: no LoRA).
       positions: ``[seq]`` or ``[batch, seq]`` integer positions (default ``arange(seq)``).
-      attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding).
+      attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding; masks keys): any pattern on
+        every backend (module docstring, "Padding masks"); a concrete mask must be 0/1 (or bool).
       dropout_key: PRNG key for ``lcfg.lora_dropout`` (no dropout without one); each module folds in its index.
       backend: ``"xla"`` (the custom VJP), ``"pallas"`` (the same VJP with both RMSNorms, SwiGLU and the NF4 base
         products as Pallas kernels, :mod:`jaxgrad.lora.kernels`), ``"mosaic"`` (the same VJP with each projection's
         forward and dX as Mosaic GPU kernels where a call qualifies, else XLA) or ``"reference"``
         (:func:`block_reference`, for ``jax.grad``).
       attention: ``"xla"`` (our attention VJP; the plain attention for ``"reference"``), ``"cudnn"``
-        (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``) or
+        (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``; a mask
+        as key lengths when concrete and right-padded, else as a boolean mask) or
         ``"pallas"`` (:mod:`jaxgrad.ops.flash_attention`'s kernels, any backend; interpret mode off-GPU).
       interpret: ``backend="pallas"`` or ``attention="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a
         GPU, as everywhere in :mod:`jaxgrad.pallas_backend`; ``True`` forces it, e.g. on a GPU machine's CPU).
@@ -513,7 +580,8 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
     # interpret only matters to the kernels: the xla backend without Pallas attention ignores it (one trace)
     kernels = backend == "pallas" or attention == "pallas"
     kern = BlockKernels(backend, None if interpret is None or not kernels else bool(interpret),
-                        bool(group_projections), bool(low_memory), bool(fold_lora_b))
+                        bool(group_projections), bool(low_memory), bool(fold_lora_b),
+                        cudnn_key_lengths=attention == "cudnn" and right_padded(attention_mask))
     return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern)
 
 
@@ -525,4 +593,4 @@ def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None,
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
     return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
                   BlockKernels(group=bool(group_projections), low_memory=bool(low_memory), fold_b=bool(fold_lora_b),
-                               cudnn_repeat_kv=bool(repeat_kv)))
+                               cudnn_repeat_kv=bool(repeat_kv), cudnn_key_lengths=right_padded(attention_mask)))

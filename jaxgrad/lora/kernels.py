@@ -97,6 +97,10 @@ class BlockKernels:
     # the group sums are memory passes of their own; NOTES.md, session 14); bench variant "custom_vjp cudnn
     # mosaic-kv-repeat"
     cudnn_repeat_kv: bool = False
+    # attention="cudnn" with a padding mask: cuDNN takes it as per-row key lengths (its padding-causal mask, no mask
+    # tensor). block() sets it only for a concrete right-padded mask (jaxgrad.ops.attention.right_padded); otherwise,
+    # and by default, the mask goes in as a boolean [B, 1, T, T] mask, right for any mask (block._cudnn_attention)
+    cudnn_key_lengths: bool = False
 
     @property
     def pallas(self) -> bool:

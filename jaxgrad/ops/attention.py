@@ -21,18 +21,29 @@ saving the ``[B, Hq, T, T]`` probabilities. :math:`D` is formed as :math:`\sum_j
 recomputed fp32 ``P`` (equal to :math:`\mathrm{rowsum}(\bar O \odot O)` with ``O = P V`` in fp32), so the output is
 not saved either. Taking ``O`` as rounded to bf16 instead puts a 2^-8-relative error into every :math:`D_i` that
 :math:`\bar P - D` then amplifies where it cancels: ``jaxgrad.verify``'s bf16 statistics flagged it at 69 rounding
-standard deviations on ``dq`` (3 heads / 1 kv head, seq 7). A query row with no visible key (left padding) gets
-:math:`P = 0`, output 0 and zero gradients, never NaN. ``attention_mask`` is HF's 2-D ``[B, T]`` mask (1 = token,
-0 = padding) and masks keys. Scores, softmax and both contractions accumulate in
+standard deviations on ``dq`` (3 heads / 1 kv head, seq 7). Scores, softmax and both contractions accumulate in
 ``promote_types(dtype, float32)``.
+
+**Masks.** ``attention_mask`` is HF's 2-D ``[B, T]`` mask (1 = token, 0 = padding) and masks keys: any pattern --
+right padding, left padding, gaps, rows of padding only -- with :math:`\mathrm{valid}_j` as above. A query row with
+no visible key (before the first token of a left-padded row; every row of an all-padding sequence) gets
+:math:`P = 0`, output 0 and zero gradients, never NaN. Padded query rows that do see a token are computed like any
+other row (as in Hugging Face; the loss ignores them). Where a mask is concrete (not a ``jax`` tracer) the public
+functions check it (:func:`check_attention_mask`): ``[B, T]`` and only 0 and 1 (or bool), else a ``ValueError``
+naming ``attention_mask``; under ``jit`` the values cannot be checked, and any non-zero entry is a token. Every
+attention implementation of the package honours every mask this way: this module, the Pallas flash-attention kernels
+(:mod:`jaxgrad.ops.flash_attention`) and the block's cuDNN path (:mod:`jaxgrad.lora.block`; it passes per-row key
+lengths only for a concrete right-padded mask, :func:`right_padded`, and a boolean mask otherwise).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["attention", "attention_reference", "attention_fwd", "attention_bwd", "attention_probs", "visible_mask"]
+__all__ = ["attention", "attention_reference", "attention_fwd", "attention_bwd", "attention_probs",
+           "check_attention_mask", "right_padded", "visible_mask"]
 
 
 def _cdt(dtype):
@@ -45,6 +56,44 @@ def visible_mask(seq: int, attention_mask: jax.Array | None = None) -> jax.Array
     if attention_mask is None:
         return causal[None, None, None]
     return causal[None, None, None] & (jnp.asarray(attention_mask) != 0)[:, None, None, None, :]
+
+
+def _concrete(a) -> bool:
+    return a is not None and not isinstance(a, jax.core.Tracer)
+
+
+def check_attention_mask(attention_mask, batch: int, seq: int, where: str = "attention") -> None:
+    """A padding mask's shape, ``[batch, seq]``, and -- where it is concrete (not a ``jax`` tracer: under ``jit``
+    the values are unknown) -- its values: bool, or numbers that are all 0 (padding) or 1 (token). Raises a
+    ``ValueError`` (``TypeError`` for a non-numeric dtype) naming ``attention_mask``, prefixed by ``where``."""
+    if attention_mask is None:
+        return
+    if tuple(np.shape(attention_mask)) != (batch, seq):
+        raise ValueError(f"{where}: 'attention_mask' must be [batch, seq] = {(batch, seq)}, got "
+                         f"{tuple(np.shape(attention_mask))}")
+    if not _concrete(attention_mask):
+        return
+    m = np.asarray(attention_mask)
+    if m.dtype == np.bool_:
+        return
+    if not (np.issubdtype(m.dtype, np.integer) or np.issubdtype(m.dtype, np.floating)
+            or m.dtype == jnp.bfloat16):
+        raise TypeError(f"{where}: 'attention_mask' must be bool or 0/1 numbers, got dtype {m.dtype}")
+    bad = ~((m == 0) | (m == 1))
+    if bad.any():
+        at = [int(i) for i in np.argwhere(bad)[0]]
+        raise ValueError(f"{where}: 'attention_mask' must hold 0 (padding) and 1 (token) only, got "
+                         f"{m[tuple(at)].item()!r} at {at}")
+
+
+def right_padded(attention_mask) -> bool:
+    """Whether ``attention_mask`` is concrete and right padding: in every row, tokens first, then padding only (a row
+    of padding only included). Then per-row key lengths describe it exactly. ``False`` for ``None`` and under
+    ``jit`` (a tracer's values are unknown)."""
+    if not _concrete(attention_mask):
+        return False
+    valid = np.asarray(attention_mask) != 0
+    return bool(np.all(valid[..., 1:] <= valid[..., :-1]))
 
 
 def _check(q, k, v, attention_mask):
@@ -60,8 +109,7 @@ def _check(q, k, v, attention_mask):
         raise ValueError(f"attention: 'k' {k.shape} does not match 'q' {q.shape} in batch, seq or head_dim")
     if hq % k.shape[2]:
         raise ValueError(f"attention: query heads ({hq}) must be a multiple of kv heads ({k.shape[2]})")
-    if attention_mask is not None and tuple(attention_mask.shape) != (b, t):
-        raise ValueError(f"attention: 'attention_mask' must be [batch, seq] = {(b, t)}, got {attention_mask.shape}")
+    check_attention_mask(attention_mask, b, t)
 
 
 def _grouped(q, hkv):
@@ -171,7 +219,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, attention_mask: jax.Arra
     Args:
       q: ``[batch, seq, q_heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``, q_heads a multiple of
         kv_heads.
-      attention_mask: optional ``[batch, seq]`` (1 = token, 0 = padding; masks keys), not differentiated.
+      attention_mask: optional ``[batch, seq]`` (1 = token, 0 = padding; masks keys; any pattern, see the module
+        docstring; checked to be 0/1 where concrete), not differentiated.
       scale: score scale, default ``head_dim ** -0.5``.
     """
     _check(q, k, v, attention_mask)
