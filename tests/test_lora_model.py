@@ -142,6 +142,46 @@ def test_model_bad_input_is_named():
         LlamaConfig.from_hf_dict({"hidden_size": 24, "num_attention_heads": 3, "sliding_window": 4096})
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_by_name_where_concrete():
+    # PyTorch's embedding raises on such an id; JAX's gather would fill (id >= vocab) or wrap (negative id)
+    params, lora = _model(10, jnp.float32)
+    ids, _ = _batch(11, 2, 5)
+    for bad, at in ((13, [1, 2]), (-1, [1, 2]), (10 ** 6, [1, 2])):
+        with pytest.raises(ValueError, match=rf"apply: 'input_ids' must lie in \[0, 13\) \(the vocabulary size: the "
+                                             rf"rows of params\['embed_tokens'\]\['weight'\]\), got {bad} at "
+                                             rf"\[1, 2\]"):
+            apply(params, lora, ids.at[tuple(at)].set(bad), CFG, LCFG)
+    with pytest.raises(ValueError, match=r"'input_ids' must lie in \[0, 13\).*got -3 at \[0, 0\]"):
+        apply(params, lora, np.array([[-3, 1, 2]], np.int8), CFG, LCFG)  # numpy ids, any integer dtype
+    with pytest.raises(ValueError, match=r"'input_ids' must lie in \[0, 13\).*got 13 at \[0, 1\]"):
+        apply(params, lora, np.array([[3, 13]]), CFG, LCFG, backend="reference")
+    apply(params, lora, np.array([[0, 12]]), CFG, LCFG)  # both ends of the vocabulary are fine
+
+
+def test_token_ids_outside_the_vocabulary_under_jit_give_nan_logits_for_their_sequence():
+    # traced ids cannot be checked: a bad id (negative ones too, which the gather would wrap to the last row)
+    # gathers a NaN embedding; its sequence's logits are NaN, the other sequences' are untouched
+    params, lora = _model(12, jnp.float32)
+    ids, _ = _batch(13, 2, 5)
+    f = jax.jit(lambda ids: apply(params, lora, ids, CFG, LCFG))
+    good = f(ids)
+    assert bool(jnp.all(jnp.isfinite(good)))
+    for bad in (13, -1, -13):
+        out = f(ids.at[1, 2].set(bad))
+        assert bool(jnp.all(jnp.isnan(out[1]))), bad
+        np.testing.assert_array_equal(out[0], good[0])
+
+
+def test_a_concrete_attention_mask_must_be_zeros_and_ones():
+    params, lora = _model(14, jnp.float32)
+    ids, _ = _batch(15, 2, 5)
+    with pytest.raises(ValueError, match=r"apply: 'attention_mask' must hold 0 \(padding\) and 1 \(token\) only, "
+                                         r"got -1 at \[0, 4\]"):
+        apply(params, lora, ids, CFG, LCFG, attention_mask=jnp.array([[1, 1, 1, 1, -1], [1, 1, 1, 0, 0]]))
+    with pytest.raises(ValueError, match=r"apply: 'attention_mask' must be \[batch, seq\] = \(2, 5\), got \(5,\)"):
+        apply(params, lora, ids, CFG, LCFG, attention_mask=jnp.ones(5))
+
+
 def test_from_hf_dict_reads_llama3_config_and_transformers5_rope_parameters():
     d = {"architectures": ["LlamaForCausalLM"], "hidden_size": 24, "intermediate_size": 40,
          "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 10, "rms_norm_eps": 1e-5,

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxgrad.lora.block import _block_sdpa, block, block_reference
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
+from jaxgrad.ops.attention import check_attention_mask
 from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = ["IGNORE_INDEX", "apply", "causal_lm_loss", "count_items", "init", "init_lora", "loss_fn",
@@ -99,7 +100,27 @@ def init_lora(key: jax.Array, cfg: LlamaConfig, lcfg: LoraConfig, dtype=jnp.floa
     return {"layers": layers}
 
 
-def _check_model(params, lora, input_ids, cfg, lcfg):
+def _vocab(params) -> int:
+    try:
+        return int(params["embed_tokens"]["weight"].shape[0])
+    except (KeyError, TypeError, AttributeError, IndexError):
+        raise ValueError("apply: params['embed_tokens']['weight'] ([vocab_size, hidden_size]) is missing") from None
+
+
+def _check_ids(input_ids, vocab: int) -> None:
+    """Token ids in ``[0, vocab)``, checked on the host where they are concrete (under ``jit`` they are not: see
+    :func:`apply`)."""
+    if isinstance(input_ids, jax.core.Tracer):
+        return
+    ids = np.asarray(input_ids)
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        at = [int(i) for i in np.argwhere(bad)[0]]
+        raise ValueError(f"apply: 'input_ids' must lie in [0, {vocab}) (the vocabulary size: the rows of "
+                         f"params['embed_tokens']['weight']), got {ids[tuple(at)].item()} at {at}")
+
+
+def _check_model(params, lora, input_ids, cfg, lcfg, attention_mask=None):
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"apply: 'cfg' must be a LlamaConfig, got {type(cfg).__name__}")
     if np.ndim(input_ids) != 2:
@@ -107,6 +128,8 @@ def _check_model(params, lora, input_ids, cfg, lcfg):
     if not jnp.issubdtype(jnp.asarray(input_ids).dtype, jnp.integer):
         raise TypeError(f"apply: 'input_ids' must be integers, got {jnp.asarray(input_ids).dtype}")
     cfg.check_seq(np.shape(input_ids)[1])
+    _check_ids(input_ids, _vocab(params))
+    check_attention_mask(attention_mask, *np.shape(input_ids), "apply")
     if len(params.get("layers", ())) != cfg.num_hidden_layers:
         raise ValueError(f"apply: params['layers'] has {len(params.get('layers', ()))} blocks but "
                          f"'num_hidden_layers' is {cfg.num_hidden_layers}")
@@ -132,8 +155,16 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
 
     Args:
       params, lora: see the module docstring (``lora`` may be ``None`` with ``lcfg=None``).
-      input_ids: ``[batch, seq]`` integer tokens; ``seq <= max_position_embeddings``.
-      attention_mask: optional ``[batch, seq]`` HF mask (1 = token, 0 = padding).
+      input_ids: ``[batch, seq]`` integer tokens in ``[0, vocab_size)``; ``seq <= max_position_embeddings``.
+        Concrete ids (not traced under ``jit``) are checked on the host: an id outside the vocabulary (the rows of
+        ``params["embed_tokens"]["weight"]``) is a ``ValueError`` naming ``input_ids``, the id, its position and
+        the vocabulary size, as PyTorch's embedding raises. Under ``jit`` the ids cannot be checked: an id outside
+        ``[0, vocab_size)``, negative ones included (which JAX's gather would otherwise wrap to the end of the
+        table), gathers a NaN embedding: the logits of its sequence are NaN (attention carries the NaN to the
+        sequence's other positions; other sequences of the batch are unaffected), and so is the loss. Check ids in
+        the data pipeline before a jitted step.
+      attention_mask: optional ``[batch, seq]`` HF mask (1 = token, 0 = padding; masks keys): any pattern, on every
+        backend and attention (:mod:`jaxgrad.lora.block`, "Padding masks"); a concrete mask must be 0/1 (or bool).
       positions: ``[seq]`` or ``[batch, seq]`` (default ``arange(seq)``).
       dropout_key: LoRA dropout key (each layer folds in its index).
       backend: ``"xla"`` (hand-written block VJP), ``"pallas"`` (the same with the block's RMSNorms and NF4 base
@@ -149,14 +180,20 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
         model); the custom VJP treats them as frozen.
     """
     lora = {"layers": [{} for _ in range(cfg.num_hidden_layers)]} if lora is None else lora
-    _check_model(params, lora, input_ids, cfg, lcfg)
+    _check_model(params, lora, input_ids, cfg, lcfg, attention_mask)
     if attention.startswith("sdpa:") and backend not in ("xla", "reference"):
         raise ValueError(f"apply: attention={attention!r} needs backend 'xla' or 'reference', got {backend!r}")
     if train_base and backend != "reference":
         raise ValueError("apply: 'train_base' needs backend='reference' (the custom VJP freezes the projections)")
     emb = params["embed_tokens"]["weight"]
     dtype = emb.dtype if dtype is None else dtype
-    h = jnp.take(emb, jnp.asarray(input_ids), axis=0).astype(dtype)
+    ids = jnp.asarray(input_ids)
+    if jnp.issubdtype(ids.dtype, jnp.signedinteger):
+        # traced ids are not checked: a negative one would wrap to the end of the table (JAX's gather): make it out
+        # of range like ids >= vocab, so that every bad id gathers NaN (mode "fill") and shows as NaN logits
+        ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))
+        ids = jnp.where(ids < 0, emb.shape[0], ids)
+    h = jnp.take(emb, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(dtype)
     for i, (layer, layer_lora) in enumerate(zip(params["layers"], lora["layers"], strict=True)):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
         if backend == "reference":
