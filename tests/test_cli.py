@@ -58,7 +58,7 @@ def test_example_configs_resolve(family):
 
 @pytest.mark.parametrize("args, needle", [
     (["configs/missing.toml"], "configs/missing.toml: no such config file"),
-    (["--set", "train.lr=abc"], "'train.lr' must be a number, got 'abc'"),
+    (["--set", "train.lr=abc"], "'train.lr' must be a number (or none), got 'abc'"),
     (["--set", "model.widht=3"], "unknown key 'model.widht'"),
     (["--set", "lr"], "expected key=value"),
     (["--set", "seed=3"], "'seed' is in [train], [data]; write train.seed"),

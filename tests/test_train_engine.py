@@ -183,7 +183,7 @@ def test_no_retrace_between_steps(tmp_path):
     r = fit(toy_task(), CFG.replace(steps=10, checkpoint_every=100), tmp_path / "r", max_traces=1)
     assert r.traces["train_step"] == 1
     with pytest.raises(ValueError, match="lbfgs' needs the whole objective in one batch"):
-        fit(toy_task(), CFG.replace(optimizer="lbfgs"), tmp_path / "l")
+        fit(toy_task(), CFG.replace(optimizer="lbfgs", lr=None), tmp_path / "l")
 
 
 def test_metrics_jsonl_and_csv(tmp_path):

@@ -28,11 +28,11 @@ import numpy as np
 from jaxgrad.cnn import data as cnn_data
 from jaxgrad.cnn import denoiser, synthetic
 from jaxgrad.train.checkpoint import write_atomic
-from jaxgrad.train.errors import ConfigError
+from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
 SYNTH_DIR = "synthetic"
-UsageError = ConfigError
+UsageError = DataError  # an input file or data set that cannot be used: one line, exit status 2
 
 
 def fingerprint(stack: cnn_data.MRCStack) -> dict:
@@ -299,7 +299,16 @@ def cli_task(cfg: dict, out, say):
     if m["channels"][0] != 1 or m["channels"][-1] != 1:
         raise ConfigError(f"[model] 'model.channels': the first and last widths must be 1 (single-channel "
                           f"particles), got {m['channels']}")
+    for key, lo in (("batch_size", 1), ("n_eval", 1), ("n_examples", 0), ("n", 1), ("size", 2), ("seed", 0)):
+        if d[key] < lo:
+            raise ConfigError(f"[data] 'data.{key}' must be an integer >= {lo}, got {d[key]}")
     if d["kind"] == "synthetic":
+        # checked before any particle is written: a refused run leaves no data behind
+        if d["batch_size"] > d["n"]:
+            raise ConfigError(f"[data] 'data.batch_size' ({d['batch_size']}) is larger than the number of particles "
+                              f"('data.n' = {d['n']})")
+        if not d["snr"] > 0:
+            raise ConfigError(f"[data] 'data.snr' must be > 0, got {d['snr']}")
         spec = {"kind": "synthetic", "n": d["n"], "size": d["size"], "snr": d["snr"], "n_eval": d["n_eval"]}
         ensure_synthetic(out, spec, d["seed"], 256, say)
         root = out / SYNTH_DIR / "train"
@@ -310,16 +319,22 @@ def cli_task(cfg: dict, out, say):
                               f"stacks for kind 'pairs', got {len(d['inputs'])} and {len(d['targets'])}")
         spec = {"kind": "pairs", "inputs": d["inputs"], "targets": d["targets"], "n_eval": d["n_eval"]}
         ins, outs = open_pairs(d["inputs"], d["targets"])
-    n = sum(len(s) for s in ins)
-    if d["batch_size"] > n:
-        raise ConfigError(f"[data] 'data.batch_size' ({d['batch_size']}) is larger than the number of particles ({n})")
-    buffer = d["buffer_size"] or max(d["batch_size"], min(1024, n))
     try:
-        stream = cnn_data.ParticleStream(None, d["batch_size"], buffer_size=buffer, seed=d["seed"],
-                                         chunk_size=d["chunk_size"], drop_last=True, pairs=(ins, outs))
-    except ValueError as err:
-        raise ConfigError(f"[data] {err}") from None
-    evalset = eval_set(out, {"data": spec}, ins, outs)
+        n = sum(len(s) for s in ins)
+        if d["batch_size"] > n:
+            raise ConfigError(f"[data] 'data.batch_size' ({d['batch_size']}) is larger than the number of particles "
+                              f"({n})")
+        buffer = d["buffer_size"] or max(d["batch_size"], min(1024, n))
+        try:
+            stream = cnn_data.ParticleStream(None, d["batch_size"], buffer_size=buffer, seed=d["seed"],
+                                             chunk_size=d["chunk_size"], drop_last=True, pairs=(ins, outs))
+        except ValueError as err:
+            raise ConfigError(f"[data] {err}") from None
+        evalset = eval_set(out, {"data": spec}, ins, outs)
+    except BaseException:
+        for s in ins + outs:
+            s.close()
+        raise
     den = functools.partial(denoise, batch_size=d["batch_size"], residual=m["residual"], backend=m["backend"],
                             precision=m["precision"])
 

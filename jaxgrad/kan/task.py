@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxgrad.kan.grid import refine_network, update_grids
 from jaxgrad.kan.network import kan_apply, kan_apply_reference, kan_init, trainable_mask
+from jaxgrad.train.errors import ConfigError
 from jaxgrad.train.task import Task
 
 TARGETS = {
@@ -57,7 +58,7 @@ class KANFit:
     def __post_init__(self):
         def need(cond, field, expected):
             if not cond:
-                raise ValueError(f"KAN fit: '{field}' must be {expected}, got {getattr(self, field)!r}")
+                raise ConfigError(f"KAN fit: '{field}' must be {expected}, got {getattr(self, field)!r}")
 
         need(self.target in TARGETS, "target", f"one of {tuple(TARGETS)}")
         object.__setattr__(self, "widths", tuple(self.widths))
@@ -76,7 +77,7 @@ class KANFit:
         need(self.batch_size is None or (isinstance(self.batch_size, int) and 1 <= self.batch_size <= self.n_train),
              "batch_size", f"None (full batch) or an int in 1..n_train={self.n_train}")
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
-            raise ValueError("KAN fit: dtype 'float64' needs jax_enable_x64 (set it before creating arrays)")
+            raise ConfigError("KAN fit: dtype 'float64' needs jax_enable_x64 (set it before creating arrays)")
 
     @property
     def refine_steps(self) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from jaxgrad.train import rundir
 from jaxgrad.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointSaveError,
                                       NoGoodCheckpointError)
 from jaxgrad.train.config import TrainConfig
-from jaxgrad.train.errors import ConfigError
+from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.grads import global_mean_loss, global_sum_loss
 from jaxgrad.train.loop import FitResult, TrainingDiverged, build, fit, init_state, log_end, train_in_memory
 from jaxgrad.train.mesh import data_mesh, replicate, shard_batch
@@ -27,7 +27,7 @@ from jaxgrad.train.precision import Policy
 from jaxgrad.train.step import accumulate_window, make_steps
 from jaxgrad.train.task import Task
 
-__all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointSaveError", "ConfigError", "FitResult",
+__all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointSaveError", "ConfigError", "DataError", "FitResult",
            "NoGoodCheckpointError", "Policy", "Task", "TrainConfig", "TrainingDiverged", "accumulate_window", "build",
            "data_mesh", "fit", "global_mean_loss", "global_sum_loss", "init_state", "log_end", "make_steps",
            "replicate", "rundir", "shard_batch", "train_in_memory"]

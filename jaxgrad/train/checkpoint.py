@@ -7,7 +7,9 @@ The checksum file is the commit mark:
 
 * a step directory without it (a save killed after orbax's rename) or whose files do not match it (a truncated
   or corrupted file) is not used: it is moved aside to ``<dir>/<step>.corrupt-<unix time>`` (kept for
-  inspection, ignored by orbax) and the previous good checkpoint is restored, with a message saying so;
+  inspection, ignored by orbax) and the previous good checkpoint is restored, with a message saying so; when none
+  is good, :class:`NoGoodCheckpointError` names them, and so does every later restore of a directory that holds
+  only moved-aside checkpoints (it never starts again from step 0 without a word);
 * a save that fails (disk full, permissions) raises :class:`CheckpointSaveError` naming the step and the last
   good checkpoint, which is untouched (orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and only renames a
   complete directory; partial ones are removed when the directory is next opened).
@@ -179,6 +181,15 @@ class Checkpointer:
         ``abstract_for(meta)``: the abstract state (``jax.ShapeDtypeStruct`` pytree) a checkpoint with this meta
         holds. Bad ones are moved aside (``quarantine``) and named in a message through ``say``."""
         steps = self.steps()
+        if not steps:
+            aside = self.quarantined()
+            if aside:
+                raise NoGoodCheckpointError(
+                    f"{self.directory}: no usable checkpoint; {', '.join(aside)} failed verification and "
+                    f"{'was' if len(aside) == 1 else 'were'} moved aside. Resuming would silently start again from "
+                    f"step 0: inspect or delete {'it' if len(aside) == 1 else 'them'} first, or start a new run "
+                    f"(--overwrite)")
+            return None
         bad = []
         for step in reversed(steps):
             problem = verify_step_dir(self.directory / str(step))
@@ -206,13 +217,24 @@ class Checkpointer:
             bad.append((step, problem))
             if quarantine:
                 self._quarantine(step)
-        if bad:
-            raise NoGoodCheckpointError(f"{self.directory}: no checkpoint passes verification "
-                                        f"({'; '.join(f'{s}: {p}' for s, p in bad)})")
-        return None
+        raise NoGoodCheckpointError(f"{self.directory}: no checkpoint passes verification "
+                                    f"({'; '.join(f'{s}: {p}' for s, p in bad)})"
+                                    + (f"; moved aside: {', '.join(self.quarantined())}" if quarantine else ""))
+
+    def quarantined(self) -> list[str]:
+        """The names of the step directories moved aside (``<step>.corrupt-<time>``), oldest step first."""
+        if not self.directory.is_dir():
+            return []
+        names = [p.name for p in self.directory.iterdir() if ".corrupt-" in p.name and p.is_dir()]
+        return sorted(names, key=lambda n: (int(n.split(".", 1)[0]) if n.split(".", 1)[0].isdigit() else -1, n))
 
     def _quarantine(self, step: int) -> None:
         src = self.directory / str(step)
-        src.rename(self.directory / f"{step}.corrupt-{int(time.time())}")
+        dst = self.directory / f"{step}.corrupt-{int(time.time())}"
+        n = 1
+        while dst.exists():  # the same step moved aside twice within a second
+            dst = self.directory / f"{step}.corrupt-{int(time.time())}-{n}"
+            n += 1
+        src.rename(dst)
         self._mngr.reload()
 

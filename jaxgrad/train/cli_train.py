@@ -1,22 +1,30 @@
 """``jaxgrad train FAMILY [CONFIG.toml] [--set key=value ...] --out DIR [--resume | --overwrite]``.
 
 Resolves the configuration (defaults <- the family's train defaults <- the file <- ``--set``; on ``--resume``:
-the run's saved configuration <- the file <- ``--set``, refusing changes to keys that alter the model, the data
-order or the optimiser state), prints it, saves it (``run.json``, ``config.toml``), trains with
-:func:`jaxgrad.train.fit` and writes ``summary.json``. Errors a user can fix print one line and exit with status 2
-(1 for a run that failed: non-finite loss, a checkpoint that could not be written).
+the run's saved configuration <- the file <- ``--set``, where a key given with ``--set`` by an earlier command of
+the run keeps its value against the file, and refusing changes to keys that alter the model, the data order or the
+optimiser state), prints it, builds the task and checks the run can start, then saves the configuration
+(``run.json``, ``config.toml``: only once the run starts, so a refused run leaves nothing to ``--overwrite``),
+trains with :func:`jaxgrad.train.fit` and writes ``summary.json``.
+
+Errors a user can fix -- :class:`~jaxgrad.train.errors.ConfigError` and its
+:class:`~jaxgrad.train.errors.DataError`, a run directory that may not be used, a checkpoint that does not fit or
+does not verify -- print one line and exit with status 2; a run that failed (non-finite loss, a checkpoint that
+could not be written) exits with status 1. Anything else is a bug (ours or a library's) and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import sys
 import time
 
 from jaxgrad.train import rundir, toml_config
 from jaxgrad.train.checkpoint import (CheckpointMismatchError, CheckpointSaveError, NoGoodCheckpointError,
                                       write_atomic)
+from jaxgrad.train.config import DEFAULT_LR
 from jaxgrad.train.errors import ConfigError
 from jaxgrad.train.families import family_module
 from jaxgrad.train.metrics import CSV_FILE, METRICS_FILE, TB_DIR
@@ -32,30 +40,85 @@ def owner_of(family: str) -> str:
 def schema_of(fam) -> dict:
     train = toml_config.train_schema()
     for k, v in fam.CLI_TRAIN_DEFAULTS.items():
-        train[k] = (train[k][0], v) + tuple(train[k][2:])
+        if k != "lr":  # the learning rate's default depends on the optimizer: fill_defaults
+            train[k] = (train[k][0], v) + tuple(train[k][2:])
     return {"train": train, **fam.CLI_SCHEMA}
 
 
+def fill_defaults(fam, cfg: dict) -> dict:
+    """Defaults that depend on other keys: ``train.lr`` unset takes the family's default learning rate for the
+    first-order optimizers and stays unset for L-BFGS (which has none)."""
+    t = cfg["train"]
+    if t["lr"] is None and t["optimizer"] != "lbfgs":
+        t["lr"] = float(fam.CLI_TRAIN_DEFAULTS.get("lr", DEFAULT_LR))
+    return cfg
+
+
+def owned_entries(fam) -> tuple[str, ...]:
+    return (rundir.RUN_FILE, CONFIG_FILE, METRICS_FILE, CSV_FILE, TB_DIR, "checkpoints", SUMMARY_FILE,
+            *fam.CLI_OUTPUTS)
+
+
 def resolve_for_run(family: str, config: str | None, sets: list[str], out: pathlib.Path, resume: bool,
-                    overwrite: bool) -> tuple[dict, bool]:
-    """``(cfg, resuming)``; checks the run directory (read-only) and, on resume, the fixed keys."""
+                    overwrite: bool) -> tuple[dict, bool, list[str], list[str]]:
+    """``(cfg, resuming, set_keys, notes)``; checks the run directory (read-only) and, on resume, the fixed keys.
+    ``set_keys``: every key given with ``--set`` in the run so far (saved in ``run.json``); ``notes``: lines to
+    print (what a resume changes)."""
     fam = family_module(family)
     schema = schema_of(fam)
-    owned = (rundir.RUN_FILE, CONFIG_FILE, METRICS_FILE, CSV_FILE, TB_DIR, "checkpoints", SUMMARY_FILE,
-             *fam.CLI_OUTPUTS)
-    saved = rundir.inspect(out, owner_of(family), owned, resume=resume, overwrite=overwrite)
+    saved = rundir.inspect(out, owner_of(family), owned_entries(fam), resume=resume, overwrite=overwrite)
     if saved is None:
-        if config is None and not resume:
-            pass  # defaults + --set are a valid configuration
-        return toml_config.resolve(schema, config, sets), False
-    base = toml_config.resolve(schema, config, []) if config is not None else saved["config"]
-    cfg = toml_config.resolve(schema, None, sets, base=base)
+        set_keys: list[str] = []
+        cfg = fill_defaults(fam, toml_config.resolve(schema, config, sets, set_keys=set_keys))
+        return cfg, False, set_keys, []
+    old = saved.get("config")
+    if not isinstance(old, dict) or not all(isinstance(v, dict) for v in old.values()):
+        raise rundir.RunDirError(f"{out / rundir.RUN_FILE}: no saved configuration to resume (a 'config' table of "
+                                 f"sections), got {old!r}")
+    old = {sec: dict(body) for sec, body in old.items()}
+    t = old.get("train", {})
+    if t.get("optimizer") == "lbfgs" and t.get("lr") is not None:  # saved by a version that stored an unused lr
+        t["lr"] = None
+    earlier = saved.get("set_keys", [])  # absent in run files of older versions: no key was set with --set
+    if not isinstance(earlier, list) or not all(isinstance(k, str) for k in earlier):
+        raise rundir.RunDirError(f"{out / rundir.RUN_FILE}: 'set_keys' must be a list of 'section.key' names, got "
+                                 f"{earlier!r}")
+    cfg, set_keys, notes = toml_config.resolve_resume(schema, old, earlier, config, sets)
+    cfg = fill_defaults(fam, cfg)
+    base = fill_defaults(fam, toml_config.resolve_resume(schema, old, [], None, [])[0])  # the run as saved
     fixed = {"train": toml_config.TRAIN_FIXED, **fam.CLI_FIXED}
-    changed = toml_config.changed_fixed_keys(saved["config"], cfg, fixed)
+    changed = toml_config.changed_fixed_keys(base, cfg, fixed)
     if changed:
         raise ConfigError(f"--resume: {'; '.join(changed)}: these keys define the model, the data order or the "
                           f"optimiser state and cannot change in a run (start a new run with --out elsewhere)")
-    return cfg, True
+    diff = toml_config.changed_keys(base, cfg)
+    if diff:
+        notes.append(f"resuming with changes: {'; '.join(diff)}")
+    return cfg, True, set_keys, notes
+
+
+def _remove_new_entries(out: pathlib.Path, owned: tuple[str, ...], before: set[str] | None) -> None:
+    """After a run refused before it started: remove the owned entries it created (``before``: the entries that
+    existed, ``None``: the directory did not), and the directory if it created it and it is empty."""
+    if not out.is_dir():
+        return
+    for e in owned:
+        p = out / e
+        if (before is None or e not in before) and (p.exists() or p.is_symlink()):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    if before is None and not any(out.iterdir()):
+        out.rmdir()
+
+
+def _previous_summary(out: pathlib.Path) -> dict:
+    try:
+        old = json.loads((out / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return old if isinstance(old, dict) else {}
 
 
 def run(family: str, config: str | None, sets: list[str], out: str, *, resume: bool = False,
@@ -64,48 +127,65 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
 
     out = pathlib.Path(out)
     prog = f"jaxgrad train {family}"
+    started = False
+    before: set[str] | None = None
+    owned: tuple[str, ...] = ()
+    resuming = resume
     try:
-        cfg, resuming = resolve_for_run(family, config, sets, out, resume, overwrite)
+        cfg, resuming, set_keys, notes = resolve_for_run(family, config, sets, out, resume, overwrite)
         fam = family_module(family)
+        owned = owned_entries(fam)
         tcfg = toml_config.train_config(cfg)
         print(f"{prog}: resolved configuration ({'resuming ' if resuming else ''}run in {out}):")
         print(toml_config.to_toml(cfg), flush=True)
+        for n in notes:
+            print(n, flush=True)
         import jax
 
         if fam.needs_x64(cfg) or "float64" in (tcfg.param_dtype, tcfg.compute_dtype):
             jax.config.update("jax_enable_x64", True)
         if not resuming:
             if overwrite:
-                rundir.clear_owned(out, (rundir.RUN_FILE, CONFIG_FILE, METRICS_FILE, CSV_FILE, TB_DIR,
-                                         "checkpoints", SUMMARY_FILE, *fam.CLI_OUTPUTS))
+                rundir.clear_owned(out, owned)
+            before = {p.name for p in out.iterdir()} if out.is_dir() else None
             out.mkdir(parents=True, exist_ok=True)
-        rundir.write_run_file(out, owner_of(family), cfg)
-        write_atomic(out / CONFIG_FILE, toml_config.to_toml(cfg))
-        try:
-            task, finish = fam.cli_task(cfg, out, lambda m: print(m, flush=True))
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        task, finish = fam.cli_task(cfg, out, lambda m: print(m, flush=True))
         from jaxgrad.train.loop import fit, log_end
+
+        def on_start():
+            nonlocal started
+            rundir.write_run_file(out, owner_of(family), cfg, set_keys=set_keys)
+            write_atomic(out / CONFIG_FILE, toml_config.to_toml(cfg))
+            started = True
 
         t0 = time.perf_counter()
         res = fit(task, tcfg, out, resuming=resuming, use_bar=progress and sys.stdout.isatty(),
-                  argv=sys.argv[1:])
+                  argv=sys.argv[1:], on_start=on_start)
         extra = finish(res)
+        thr = {k: v for k, v in res.throughput.items() if k != "unit"}
+        rate = f"{res.throughput.get('unit', 'items')}_per_s"
+        if thr.get(rate) is None:  # nothing trained by this process: keep the rate the run's summary had
+            thr[rate] = _previous_summary(out).get(rate)
         summary = {"family": family, "step": res.step, "final_loss": res.final_loss, "skipped_steps": res.skipped,
-                   "wall_s_this_process": time.perf_counter() - t0, "device": str(jax.devices()[0]),
+                   **thr, "wall_s_this_process": time.perf_counter() - t0, "device": str(jax.devices()[0]),
                    "config": cfg, **extra}
         write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=1, default=str) + "\n")
-        log_end(out, res)
+        log_end(out, res, skipped_steps=res.skipped)
         ev = summary.get("eval") or {}
         ev_txt = ", ".join(f"{k} {v:.4g}" for k, v in ev.items() if isinstance(v, float))
-        print(f"done: step {res.step}, final loss {res.final_loss}{'; ' + ev_txt if ev_txt else ''}; wrote "
-              f"{out / SUMMARY_FILE}", flush=True)
+        skip_txt = f"; {res.skipped} step(s) skipped (non-finite)" if res.skipped else ""
+        print(f"done: step {res.step}, final loss {res.final_loss}{skip_txt}{'; ' + ev_txt if ev_txt else ''}; "
+              f"wrote {out / SUMMARY_FILE}", flush=True)
         return 0
-    except (ConfigError, rundir.RunDirError, CheckpointMismatchError, NoGoodCheckpointError, FileNotFoundError,
-            FileExistsError, KeyError, ValueError) as err:  # ValueError: a setting the engine or family refused
-        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+    except (ConfigError, rundir.RunDirError, CheckpointMismatchError, NoGoodCheckpointError) as err:
+        if not started and not resuming and owned:
+            _remove_new_entries(out, owned, before)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except (TrainingDiverged, CheckpointSaveError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
+    except BaseException:
+        if not started and not resuming and owned:
+            _remove_new_entries(out, owned, before)
+        raise

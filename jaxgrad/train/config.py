@@ -15,6 +15,7 @@ from jaxgrad.train.task import GRAD_PATHS
 
 NAN_POLICIES = ("skip", "stop")
 LINESEARCHES = ("zoom", "backtracking")
+DEFAULT_LR = 1e-3  # the first-order optimizers' learning rate when ``lr`` is not given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,13 +24,20 @@ class TrainConfig:
 
     Attributes:
       steps: total optimiser steps of the run (counted from step 0, across resumes).
-      optimizer, lr, schedule, warmup_steps, weight_decay, momentum: see :mod:`jaxgrad.train.optim`.
+      optimizer, lr, schedule, warmup_steps, weight_decay, momentum: see :mod:`jaxgrad.train.optim`. ``lr``
+        ``None`` is :data:`DEFAULT_LR` for the first-order optimizers and must stay ``None`` for ``"lbfgs"`` (its
+        line search picks the step). A setting the chosen optimizer or schedule would not use is refused by name,
+        never ignored: ``weight_decay`` needs ``"adamw"``, ``momentum`` needs ``"sgd"``, ``"lbfgs"`` takes no
+        ``lr``, ``schedule`` or ``warmup_steps``, ``"cosine"`` has no warm-up (``"warmup_cosine"`` has).
       lbfgs_memory, linesearch: ``optax.lbfgs`` settings (full-batch tasks only).
       accumulate: micro-batches per optimiser step; the gradient is ``sum of item-loss gradients / items``
         over the whole window.
       clip_norm: global-norm gradient clipping (``None``: off).
       nan_policy: a step whose loss or gradient is not finite is never applied; ``"skip"`` goes on with the next
-        batch (counted in the metrics), ``"stop"`` ends the run with an error naming the step.
+        batch (counted in the metrics and the summary), ``"stop"`` ends the run with an error naming the step.
+      max_consecutive_skips: with ``nan_policy="skip"``, the run stops with an error naming the steps once this
+        many steps in a row were skipped (nothing is being trained any more), and a run none of whose steps was
+        applied is an error too.
       grad_path: ``"custom_vjp"`` (the family's hand-written VJPs / kernels) or ``"reference"`` (``jax.grad`` of
         the plain-JAX reference), for A/B runs.
       seed: initialisation and the engine's RNG stream (data order is the family's, from its own seed).
@@ -42,7 +50,7 @@ class TrainConfig:
 
     steps: int = 100
     optimizer: str = "adam"
-    lr: float = 1e-3
+    lr: float | None = None
     schedule: str = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -52,6 +60,7 @@ class TrainConfig:
     accumulate: int = 1
     clip_norm: float | None = None
     nan_policy: str = "stop"
+    max_consecutive_skips: int = 10
     grad_path: str = "custom_vjp"
     seed: int = 0
     param_dtype: str | None = None
@@ -69,15 +78,19 @@ class TrainConfig:
             if not cond:
                 raise ValueError(f"train config: '{field}' must be {expected}, got {getattr(self, field)!r}")
 
+        def unused(field, why, instead):
+            raise ValueError(f"train config: '{field}' = {getattr(self, field)!r} is not used {why}; {instead}")
+
         for f, lo in (("steps", 1), ("warmup_steps", 0), ("lbfgs_memory", 1), ("accumulate", 1), ("seed", 0),
                       ("checkpoint_every", 1), ("keep", 1), ("log_every", 1), ("eval_every", 0),
-                      ("print_every", 1)):
+                      ("print_every", 1), ("max_consecutive_skips", 1)):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f, f"an int >= {lo}")
-        for f in ("lr", "weight_decay", "momentum"):
+        for f in ("weight_decay", "momentum"):
             v = getattr(self, f)
             need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, f, "a number >= 0")
-        need(self.lr > 0, "lr", "> 0")
+        need(self.lr is None or (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and self.lr > 0),
+             "lr", "a number > 0 (or None: the optimizer's default)")
         need(self.clip_norm is None or (isinstance(self.clip_norm, (int, float)) and self.clip_norm > 0),
              "clip_norm", "a number > 0 or None")
         need(self.devices is None or (isinstance(self.devices, int) and self.devices >= 1), "devices",
@@ -91,6 +104,28 @@ class TrainConfig:
             need(self.accumulate == 1, "accumulate", "1 with optimizer 'lbfgs' (its line search needs the whole "
                                                      "objective)")
             need(self.clip_norm is None, "clip_norm", "None with optimizer 'lbfgs'")
+            if self.lr is not None:
+                unused("lr", "by optimizer 'lbfgs' (its line search picks the step length)", "leave it unset")
+            if self.schedule != "constant":
+                unused("schedule", "by optimizer 'lbfgs' (its line search picks the step length)",
+                       "leave it 'constant'")
+            if self.warmup_steps:
+                unused("warmup_steps", "by optimizer 'lbfgs' (its line search picks the step length)",
+                       "leave it 0")
+        elif self.lr is None:
+            object.__setattr__(self, "lr", DEFAULT_LR)
+        if self.weight_decay and self.optimizer != "adamw":
+            unused("weight_decay", f"by optimizer {self.optimizer!r}",
+                   "decoupled weight decay is optimizer 'adamw' (optax.adamw); or leave weight_decay at 0")
+        if self.momentum and self.optimizer != "sgd":
+            unused("momentum", f"by optimizer {self.optimizer!r}",
+                   "momentum belongs to optimizer 'sgd' (Adam's are its fixed betas); or leave momentum at 0")
+        if self.warmup_steps and self.schedule == "cosine":
+            unused("warmup_steps", "by schedule 'cosine' (it has no warm-up)", "use schedule 'warmup_cosine', or "
+                                                                               "leave warmup_steps at 0")
+        if self.schedule in ("warmup_cosine", "linear"):
+            need(self.warmup_steps < self.steps, "warmup_steps",
+                 f"< steps = {self.steps} with schedule {self.schedule!r} (the decay follows the warm-up)")
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib
 
+from jaxgrad.train.errors import ConfigError
+
 FAMILIES = {"kan": "jaxgrad.kan.task", "cnn": "jaxgrad.cnn.task", "lora": "jaxgrad.lora.task"}
 
 
 def family_module(name: str):
     if name not in FAMILIES:
-        raise KeyError(f"unknown family {name!r} (known: {', '.join(FAMILIES)})")
+        raise ConfigError(f"unknown family {name!r} (known: {', '.join(FAMILIES)})")
     return importlib.import_module(FAMILIES[name])

@@ -3,11 +3,11 @@
 Data position. Micro-batch ``m`` (0-based, counted over the run) is batch ``m mod n_b`` of epoch ``m // n_b``
 (``n_b`` = ``task.batches_per_epoch``); optimiser step ``s`` trains on micro-batches ``s k .. s k + k - 1``
 (``k`` = ``accumulate``). A checkpoint at step ``s`` holds ``{"params", "opt_state", "rng"}`` and its meta
-``{"step", "epoch", "batch_in_epoch", "batches_per_epoch", "accumulate", "loss", "time", ...}``; resuming
-restores them, re-creates the epoch and skips its consumed batches, so (on a deterministic backend such as the
-CPU) a resumed run's state is bitwise equal to an uninterrupted run's -- after a crash, a ``kill -9``, or a
-SIGINT/SIGTERM (the current step finishes, a checkpoint is written, ``SystemExit(128 + signal)``; a second signal
-gets the default action).
+``{"step", "epoch", "batch_in_epoch", "batches_per_epoch", "accumulate", "loss", "time", "total_steps",
+"skipped", ...}``; resuming restores them, re-creates the epoch and skips its consumed batches, so (on a
+deterministic backend such as the CPU) a resumed run's state is bitwise equal to an uninterrupted run's -- after
+a crash, a ``kill -9``, or a SIGINT/SIGTERM (the current step finishes, a checkpoint is written,
+``SystemExit(128 + signal)``; a second signal gets the default action).
 
 Checkpoints: every ``checkpoint_every`` steps, at the end and on a signal (:mod:`jaxgrad.train.checkpoint`).
 A periodic save that fails is reported and training goes on (the last good checkpoint is intact); a failing final
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import pathlib
 import signal
@@ -34,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.train.checkpoint import Checkpointer, CheckpointSaveError
+from jaxgrad.train.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointSaveError
 from jaxgrad.train.config import TrainConfig
-from jaxgrad.train.mesh import data_mesh, replicate, shard_batch
+from jaxgrad.train.errors import ConfigError
+from jaxgrad.train.mesh import check_divisible, data_mesh, replicate, shard_batch
 from jaxgrad.train.metrics import MetricsLog, Reporter
-from jaxgrad.train.optim import make_optimizer
+from jaxgrad.train.optim import HORIZON_SCHEDULES, lr_at, make_optimizer
 from jaxgrad.train.precision import Policy
 from jaxgrad.train.step import Steps, accumulate_window, fresh_buffers, make_steps
 from jaxgrad.train.task import Task
@@ -47,17 +49,24 @@ CKPT_DIR = "checkpoints"
 
 
 class TrainingDiverged(FloatingPointError):
-    """A non-finite loss or gradient under ``nan_policy="stop"``; the message names the step."""
+    """A non-finite loss or gradient under ``nan_policy="stop"``, or ``max_consecutive_skips`` skipped steps in a
+    row (or none applied) under ``nan_policy="skip"``; the message names the steps."""
 
 
 @dataclasses.dataclass
 class FitResult:
+    """``skipped``: steps skipped by the NaN guard over the whole run (across resumes); ``final_loss``: the last
+    logged loss (on a resume with nothing left to train, the checkpoint's); ``throughput``: ``{"unit",
+    "<unit>_per_s", "<unit>_this_process"}`` (the rate over this process's steps after its first, which includes
+    the compilation)."""
+
     state: dict
     step: int
     final_loss: float | None
     eval: dict | None
     traces: dict
     skipped: int
+    throughput: dict = dataclasses.field(default_factory=dict)
 
 
 class StopRequest:
@@ -152,50 +161,129 @@ def init_state(task: Task, cfg: TrainConfig, steps: Steps, mesh, params=None, rn
     return replicate(fresh_buffers({"params": params, "opt_state": steps.init_opt(params), "rng": rng}), mesh)
 
 
+def _lbfgs_check(task: Task, cfg: TrainConfig) -> None:
+    if cfg.optimizer == "lbfgs" and task.batches_per_epoch != 1:
+        raise ConfigError(f"optimizer 'lbfgs' needs the whole objective in one batch, but task {task.name!r} has "
+                          f"{task.batches_per_epoch} batches per epoch")
+
+
+def _last_ckpt(step) -> str:
+    return "no checkpoint written yet" if step is None else f"last checkpoint: step {step}"
+
+
+class _SkipGuard:
+    """``nan_policy="skip"``: counts the skipped steps and stops the run (:class:`TrainingDiverged`) once
+    ``max_consecutive_skips`` steps in a row were skipped, or when a run ends none of whose steps was applied."""
+
+    def __init__(self, cfg: TrainConfig, skipped_before: int = 0):
+        self.limit = cfg.max_consecutive_skips
+        self.active = cfg.nan_policy == "skip"
+        self.skipped = skipped_before     # over the whole run, across resumes (checkpoint meta)
+        self.applied = 0                  # steps applied by this process
+        self.seen = 0                     # steps trained by this process
+        self.run_start: int | None = None  # first step of the current run of skipped steps
+
+    def update(self, oks, step_numbers, last_ckpt) -> int:
+        """Account for the flags of steps ``step_numbers``; returns how many of them were skipped."""
+        n_bad = 0
+        for ok, st in zip(oks, step_numbers):
+            self.seen += 1
+            if ok:
+                self.applied += 1
+                self.run_start = None
+                continue
+            n_bad += 1
+            self.run_start = st if self.run_start is None else self.run_start
+            n_run = st - self.run_start + 1
+            if self.active and n_run >= self.limit:
+                raise TrainingDiverged(
+                    f"steps {self.run_start}..{st}: {n_run} consecutive steps had a non-finite loss or gradient and "
+                    f"were skipped (nan_policy='skip', max_consecutive_skips={self.limit}); the parameters have not "
+                    f"changed since step {self.run_start - 1}; stopping ({_last_ckpt(last_ckpt)}). Lower "
+                    f"the learning rate, check the data, or raise train.max_consecutive_skips")
+        self.skipped += n_bad
+        return n_bad
+
+    def check_end(self, step: int, last_ckpt) -> None:
+        if self.active and self.seen and not self.applied:
+            raise TrainingDiverged(
+                f"none of the {self.seen} steps up to step {step} was applied: every one had a non-finite loss or "
+                f"gradient and was skipped (nan_policy='skip'); the parameters are those of step {step - self.seen}; "
+                f"stopping ({_last_ckpt(last_ckpt)})")
+
+
 def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = False, use_bar: bool = False,
         argv: list[str] | None = None, step_callback: Callable | None = None,
         hooks: tuple[tuple[int, Callable], ...] = (), max_traces: int | None = None, mesh=None,
-        say: Callable[[str], None] | None = None) -> FitResult:
+        say: Callable[[str], None] | None = None, on_start: Callable[[], None] | None = None) -> FitResult:
     """Train ``task`` for ``cfg.steps`` steps in run directory ``out`` (prepared by the caller:
     :mod:`jaxgrad.train.rundir`), resuming from its latest good checkpoint when ``resuming``.
 
     ``step_callback(step, loss)`` runs after every step (after that step's checkpoint if one was due);
     ``hooks``: ``(every, fn(step, params, last_loss))`` pairs; ``max_traces``: ``chex.assert_max_traces`` on the
-    step.
+    step. ``on_start()`` runs once every check that can refuse the run has passed (the configuration, the
+    checkpoint to resume from, the first batch against the mesh) and before anything is logged: the CLI writes the
+    run's configuration files there, so a run refused before it starts leaves none behind.
+
+    Errors: :class:`~jaxgrad.train.errors.ConfigError` for a configuration the task cannot train (L-BFGS on
+    mini-batches, a batch that does not split over the mesh), :class:`TrainingDiverged` (non-finite steps, see
+    ``nan_policy``), checkpoint errors (:mod:`jaxgrad.train.checkpoint`).
     """
     out = pathlib.Path(out)
     mesh, steps = build(task, cfg, mesh, max_traces)
     nb, k, total = task.batches_per_epoch, cfg.accumulate, cfg.steps
-    if cfg.optimizer == "lbfgs" and nb != 1:
-        raise ValueError(f"optimizer 'lbfgs' needs the whole objective in one batch, but task {task.name!r} has "
-                         f"{nb} batches per epoch")
+    _lbfgs_check(task, cfg)
     ckpt = Checkpointer(out / CKPT_DIR, cfg.keep)
-    metrics = MetricsLog(out)
-    wall0 = time.perf_counter()
+    metrics = None
+    source = None
     echo = say or (lambda m: print(m, flush=True))
+    unit = task.throughput_unit
     try:
         restored = ckpt.restore_latest_good(lambda meta: abstract_state(task, cfg, steps, int(meta["step"])),
                                             echo) if resuming else None
+        notes, resume_info = [], {}
         if restored is not None:
             state, meta = restored
             step = int(meta["step"])
             if meta.get("batches_per_epoch") != nb or meta.get("accumulate", 1) != k:
-                raise ValueError(f"checkpoint {step}: data position {meta} does not match {nb} batches per epoch "
-                                 f"and accumulate={k}")
+                raise CheckpointMismatchError(f"checkpoint {step}: data position {meta} does not match {nb} batches "
+                                              f"per epoch and accumulate={k}")
             state = replicate(state, mesh)
+            old_total = meta.get("total_steps")
+            if old_total is not None and old_total != total and cfg.schedule in HORIZON_SCHEDULES:
+                before, after = lr_at(cfg, step, old_total), lr_at(cfg, step)
+                notes.append(f"note: train.steps changed from {old_total} to {total}: the {cfg.schedule!r} schedule "
+                             f"decays over the run's total steps, so its horizon moves with it; the learning rate at "
+                             f"step {step} is {after:.4g} (it was {before:.4g} with the old horizon)")
+                resume_info["schedule_horizon"] = {"from": old_total, "to": total, "lr_before": before,
+                                                   "lr_after": after}
         else:
-            state, step = init_state(task, cfg, steps, mesh), 0
+            state, step, meta = init_state(task, cfg, steps, mesh), 0, {}
         ckpt_step = step if restored is not None else None
+        guard = _SkipGuard(cfg, int(meta.get("skipped", 0) or 0))
         if step > total:
-            echo(f"note: the run is at step {step}, past the requested total of {total}; nothing to train")
+            notes.append(f"note: the run is at step {step}, past the requested total of {total}; nothing to train")
+        source = micro_batches(task, step * k)
+        data = source
+        if step < total:  # the first micro-batch must split over the mesh: a configuration error, before the start
+            first = next(source)
+            check_divisible(first[2], mesh)
+            data = itertools.chain([first], source)
+        if on_start is not None:
+            on_start()
+        for n in notes:
+            echo(n)
+        metrics = MetricsLog(out)
+        wall0 = time.perf_counter()
         metrics.event({"event": "resume" if resuming else "start", "step": step, "time": time.time(),
                        "total_steps": total, "batches_per_epoch": nb, "argv": list(sys.argv[1:] if argv is None
                                                                                    else argv),
-                       "device": str(jax.devices()[0]), "mesh_devices": int(mesh.devices.size)})
+                       "device": str(jax.devices()[0]), "mesh_devices": int(mesh.devices.size),
+                       "throughput_unit": unit, **resume_info})
         window: list = []
-        last = {"loss": None, "sps": None, "ips": None}
-        skipped = 0
+        last = {"loss": meta.get("loss"), "sps": None, "ips": None}
         t_win = time.perf_counter()
+        thr = {"units": 0, "first": None}  # units trained by this process; (time, units) after its first step
 
         def check_window():
             if cfg.nan_policy != "stop" or not window:
@@ -210,8 +298,10 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
         def checkpoint(final: bool):
             nonlocal ckpt_step
             check_window()
+            pending = int((~np.asarray(jnp.stack([w[1] for w in window]))).sum()) if window else 0
             meta = {"step": step, "epoch": step * k // nb, "batch_in_epoch": step * k % nb, "batches_per_epoch": nb,
-                    "accumulate": k, "loss": last["loss"], "time": time.time(), "task": task.name}
+                    "accumulate": k, "loss": last["loss"], "time": time.time(), "task": task.name,
+                    "total_steps": total, "skipped": guard.skipped + pending}
             try:
                 ckpt.save(step, state, meta)
             except CheckpointSaveError as err:
@@ -224,30 +314,31 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
             ckpt_step = step
 
         def flush_window():
-            nonlocal window, t_win, skipped
+            nonlocal window, t_win
             losses = np.asarray(jnp.stack([jnp.asarray(w[0]) for w in window]), np.float64)
-            items = float(sum(np.asarray(w[2], np.float64) for w in window))
+            items = float(sum(w[2] for w in window))
             oks = np.asarray(jnp.stack([w[1] for w in window]))
             check_window()
+            n_bad = guard.update(oks, [w[3] for w in window], ckpt_step)
             now = time.perf_counter()
             good = losses[oks]
-            n_bad = int((~oks).sum())
-            skipped += n_bad
             last["sps"] = len(window) / max(now - t_win, 1e-9)
             last["ips"] = items / max(now - t_win, 1e-9)
             last["loss"] = float(good.mean()) if good.size else float("nan")
             rec = {"step": step, "epoch": ((step - 1) * k) // nb, "batch": ((step - 1) * k) % nb,
                    "loss": last["loss"], "loss_last": float(losses[-1]), "n_steps": len(window),
-                   "steps_per_s": last["sps"], "items_per_s": last["ips"], "time": time.time(),
+                   "steps_per_s": last["sps"], f"{unit}_per_s": last["ips"], "time": time.time(),
                    "elapsed_s": now - wall0}
             if cfg.nan_policy == "skip":
                 rec["skipped"] = n_bad
             metrics.step(rec)
             window, t_win = [], now
+            if step == total:
+                guard.check_end(step, ckpt_step)
 
-        data = micro_batches(task, step * k)
         transitions = set(task.transition_steps)
-        with Reporter(use_bar, total, step, cfg.print_every, label=f"train {task.name}") as rep, StopRequest() as stop:
+        with Reporter(use_bar, total, step, cfg.print_every, label=f"train {task.name}", unit=unit) as rep, \
+                StopRequest() as stop:
             rep.say(f"{task.describe + '; ' if task.describe else ''}{'resuming at' if resuming else 'starting at'} "
                     f"step {step} of {total}; {nb} batches per epoch, accumulate {k}; {cfg.optimizer}, "
                     f"grad path {cfg.grad_path}; mesh of {mesh.devices.size} x {jax.devices()[0].platform}")
@@ -257,15 +348,20 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
                                        state["rng"])
                 if k == 1:
                     _, _, batch = next(data)
+                    n_units = task.count(batch)
                     state, loss, ok = steps.train_step(state, shard_batch(batch, mesh))
-                    n_items = len(jax.tree.leaves(batch)[0])
                 else:
-                    mbs = [shard_batch(next(data)[2], mesh) for _ in range(k)]
-                    s, n, g = accumulate_window(steps, state["params"], mbs, _key_rng(task, state))
+                    raw = [next(data)[2] for _ in range(k)]
+                    n_units = sum(task.count(b) for b in raw)
+                    s, n, g = accumulate_window(steps, state["params"], [shard_batch(b, mesh) for b in raw],
+                                                _key_rng(task, state))
                     state, loss, ok = steps.apply_sums(state, s, n, g)
-                    n_items = n
                 step += 1
-                window.append((loss, ok, n_items, step))
+                thr["units"] += n_units
+                if thr["first"] is None:  # the first step includes the compilation: the throughput starts after it
+                    jax.block_until_ready(loss)
+                    thr["first"] = (time.perf_counter(), thr["units"])
+                window.append((loss, ok, n_units, step))
                 if step % cfg.log_every == 0 or step == total:
                     flush_window()
                     if cfg.nan_policy == "stop" and last["loss"] is not None and not math.isfinite(last["loss"]):
@@ -293,14 +389,21 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
                 raise SystemExit(128 + stop.signum)
             if ckpt_step != step:
                 checkpoint(final=True)
+        t_end = time.perf_counter()
+        throughput = {"unit": unit, f"{unit}_this_process": thr["units"], f"{unit}_per_s": None}
+        if thr["first"] is not None:
+            t1, u1 = thr["first"]
+            throughput[f"{unit}_per_s"] = ((thr["units"] - u1) / (t_end - t1) if thr["units"] > u1 and t_end > t1
+                                           else thr["units"] / max(t_end - wall0, 1e-9))
         ev = task.evaluate(state["params"]) if task.evaluate is not None else None
         return FitResult(state=state, step=step, final_loss=last["loss"], eval=ev, traces=dict(steps.traces),
-                         skipped=skipped)
+                         skipped=guard.skipped, throughput=throughput)
     finally:
-        with contextlib.suppress(Exception):
-            metrics.close()
-        with contextlib.suppress(NameError):
-            data.close()  # the family's epoch iterator (e.g. a stream's file handles)
+        if metrics is not None:
+            with contextlib.suppress(Exception):
+                metrics.close()
+        if source is not None:
+            source.close()  # the family's epoch iterator (e.g. a stream's file handles)
         ckpt.close()
 
 
@@ -319,12 +422,11 @@ def train_in_memory(task: Task, cfg: TrainConfig, params=None, *, mesh=None, max
     """:func:`fit`'s step loop without a run directory (no checkpoints, metrics or signals): for notebooks and
     for scripts that chain phases (``scripts/kan_fit.py``). Starts from ``params`` (default ``task.init``) with a
     fresh optimiser state; applies the task's transitions; returns ``(state, losses)`` (device scalars;
-    ``losses[i]`` of step ``i + 1``, NaN where the guard skipped a step). ``nan_policy="stop"`` raises
-    :class:`TrainingDiverged` at the end if a step was not finite."""
+    ``losses[i]`` of step ``i + 1``, NaN where the guard skipped a step). At the end, :class:`TrainingDiverged` is
+    raised if a step was not finite under ``nan_policy="stop"``, and under ``"skip"`` if ``max_consecutive_skips``
+    steps in a row, or all of them, were skipped."""
     mesh, steps = build(task, cfg, mesh, max_traces)
-    if cfg.optimizer == "lbfgs" and task.batches_per_epoch != 1:
-        raise ValueError(f"optimizer 'lbfgs' needs the whole objective in one batch, but task {task.name!r} has "
-                         f"{task.batches_per_epoch} batches per epoch")
+    _lbfgs_check(task, cfg)
     state = init_state(task, cfg, steps, mesh, params)
     data = micro_batches(task, 0)
     losses, oks = [], []
@@ -347,4 +449,8 @@ def train_in_memory(task: Task, cfg: TrainConfig, params=None, *, mesh=None, max
         first = int(np.argmin(np.asarray(jnp.stack(oks)))) + 1
         raise TrainingDiverged(f"step {first}: the loss or a gradient is not finite; the update was not applied "
                                f"(nan_policy='stop')")
+    if oks:
+        guard = _SkipGuard(cfg)
+        guard.update(np.asarray(jnp.stack(oks)), range(1, len(oks) + 1), None)
+        guard.check_end(len(oks), None)
     return state, losses

@@ -11,6 +11,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxgrad.train.errors import ConfigError
+
 DATA_AXIS = "data"
 
 
@@ -21,7 +23,7 @@ def data_mesh(devices=None) -> Mesh:
         devices = all_devices
     elif isinstance(devices, int):
         if not 1 <= devices <= len(all_devices):
-            raise ValueError(f"data_mesh: 'devices' = {devices} but {len(all_devices)} device(s) are available")
+            raise ConfigError(f"data_mesh: 'devices' = {devices} but {len(all_devices)} device(s) are available")
         devices = all_devices[:devices]
     return Mesh(np.asarray(list(devices)), (DATA_AXIS,))
 
@@ -46,7 +48,7 @@ def check_divisible(batch, mesh: Mesh) -> int:
     (n,) = sizes
     d = mesh.shape[DATA_AXIS]
     if n % d:
-        raise ValueError(f"batch size {n} does not divide over the {d} devices of the '{DATA_AXIS}' mesh axis; "
+        raise ConfigError(f"batch size {n} does not divide over the {d} devices of the '{DATA_AXIS}' mesh axis; "
                          f"use a batch size that is a multiple of {d} (e.g. {max(d, n - n % d)}) or fewer devices")
     return n
 

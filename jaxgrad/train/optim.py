@@ -4,6 +4,12 @@
 ``optax.clip_by_global_norm`` when ``clip_norm`` is set; or ``optax.lbfgs`` (memory ``lbfgs_memory``, zoom =
 strong-Wolfe or backtracking line search), which the step drives through ``optax.value_and_grad_from_state``.
 A plain constant-rate Adam is ``optax.adam(lr)`` itself (its state ``(ScaleByAdamState, EmptyState)``).
+
+Schedules (``steps`` is the run's total, the horizon of the decaying ones): ``constant`` (after an optional linear
+warm-up from 0 over ``warmup_steps``), ``cosine`` (``lr -> 0`` over ``steps``; no warm-up), ``warmup_cosine``
+(``0 -> lr`` over ``warmup_steps``, then cosine to 0 at ``steps``), ``linear`` (``0 -> lr`` over ``warmup_steps``,
+then linear to 0 at ``steps``). Settings a configuration would not use are refused by
+:class:`~jaxgrad.train.config.TrainConfig`, never ignored.
 """
 
 from __future__ import annotations
@@ -26,7 +32,23 @@ def make_schedule(name: str, lr: float, steps: int, warmup_steps: int = 0, end_f
     if name == "warmup_cosine":
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(steps, warmup_steps + 1),
                                                   end_value=lr * end_factor)
-    return optax.linear_schedule(lr, lr * end_factor, max(steps, 1), transition_begin=warmup_steps)
+    decay = optax.linear_schedule(lr, lr * end_factor, max(steps - warmup_steps, 1))
+    if not warmup_steps:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup_steps), decay], [warmup_steps])
+
+
+def lr_at(cfg, step: int, steps: int | None = None) -> float | None:
+    """The learning rate of ``cfg``'s schedule at optimiser step ``step`` with horizon ``steps`` (default
+    ``cfg.steps``); ``None`` for L-BFGS (no learning rate)."""
+    if cfg.optimizer == "lbfgs":
+        return None
+    sched = make_schedule(cfg.schedule, cfg.lr, cfg.steps if steps is None else steps, cfg.warmup_steps)
+    return float(sched(step)) if callable(sched) else float(sched)
+
+
+#: Schedules whose shape depends on the run's total ``steps`` (a changed ``steps`` on resume moves them).
+HORIZON_SCHEDULES = ("cosine", "warmup_cosine", "linear")
 
 
 def make_optimizer(cfg) -> optax.GradientTransformation:

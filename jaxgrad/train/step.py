@@ -81,6 +81,7 @@ class Steps:
     apply_sums: Callable          # (state, S, n, G) -> (state, loss, finite)
     mean_loss: Callable           # (params, batch) -> S / n (evaluation, tests)
     traces: dict[str, int]
+    keyed: bool = False           # the task's loss takes a key (e.g. LoRA dropout): accumulation needs the rng
 
 
 def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, *, policy: Policy = Policy(),
@@ -161,7 +162,7 @@ def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, 
         step_fn = chex.assert_max_traces(train_step, n=max_traces)
     return Steps(init_opt=init_opt, train_step=jax.jit(step_fn, donate_argnums=(0,)),
                  grad_sums=jax.jit(grad_sums), apply_sums=jax.jit(apply_sums, donate_argnums=(0,)),
-                 mean_loss=jax.jit(mean_loss), traces=traces)
+                 mean_loss=jax.jit(mean_loss), traces=traces, keyed=keyed)
 
 
 @jax.jit
@@ -181,7 +182,11 @@ tree_add_jit = jax.jit(tree_add, donate_argnums=(0,))
 
 def accumulate_window(steps: Steps, params, micro_batches, rng=None) -> tuple[Any, Any, Any]:
     r"""``(sum_j S_j, sum_j n_j, sum_j G_j)`` over the micro-batches (each already on the mesh); ``rng``: the
-    state's key data, for a task whose loss takes a key (micro-batch ``j`` gets :func:`step_key` ``(rng, j)``)."""
+    state's key data, for a task whose loss takes a key (micro-batch ``j`` gets :func:`step_key` ``(rng, j)``); such
+    a task without ``rng`` is refused (its loss would silently run without its noise, e.g. without LoRA dropout)."""
+    if steps.keyed and rng is None:
+        raise ValueError("accumulate_window: the task's loss takes a key (Task.loss_takes_key, e.g. LoRA dropout); "
+                         "pass rng (the state's 'rng'), or its micro-batches would run without that randomness")
     acc = None
     for j, mb in enumerate(micro_batches):
         s, n, g = steps.grad_sums(params, mb) if rng is None else steps.grad_sums(params, mb, step_key(rng, j))

@@ -52,6 +52,10 @@ class Task:
         engine's RNG stream (a fresh one per micro-batch and device, :func:`jaxgrad.train.step.step_key`), or
         ``None`` where no randomness is wanted (evaluation). For dropout-like noise; the data order stays the
         task's own.
+      throughput_unit, throughput_count: what the throughput (``<unit>/s`` in the progress display,
+        ``<unit>_per_s`` in ``metrics.jsonl`` / ``metrics.csv`` and the run's summary) counts, and
+        ``throughput_count(batch) -> int`` counting it on the host (default: the batch's leading axis, ``"items"``).
+        A language model reports ``"tokens"`` (every position of every sequence), whatever the accumulation.
     """
 
     name: str
@@ -66,6 +70,8 @@ class Task:
     trainable: Callable[[PyTree], PyTree] | None = None
     describe: str = ""
     loss_takes_key: bool = False
+    throughput_unit: str = "items"
+    throughput_count: Callable[[Batch], int] | None = None
 
     def __post_init__(self):
         for field in ("init", "loss", "batches"):
@@ -76,6 +82,18 @@ class Task:
         if not isinstance(self.batches_per_epoch, int) or self.batches_per_epoch < 1:
             raise ValueError(f"Task {self.name!r}: 'batches_per_epoch' must be an int >= 1, got "
                              f"{self.batches_per_epoch!r}")
+
+        if not (isinstance(self.throughput_unit, str) and self.throughput_unit.isidentifier()):
+            raise ValueError(f"Task {self.name!r}: 'throughput_unit' must be a word such as 'items' or 'tokens', got "
+                             f"{self.throughput_unit!r}")
+
+    def count(self, batch: Batch) -> int:
+        """The batch's throughput count (:attr:`throughput_count`, default: its leading axis)."""
+        if self.throughput_count is not None:
+            return int(self.throughput_count(batch))
+        import jax
+
+        return int(len(jax.tree.leaves(batch)[0]))
 
     def loss_for(self, grad_path: str) -> Callable:
         """The loss whose gradient the engine takes: ``"custom_vjp"`` (the family's VJPs) or ``"reference"``."""

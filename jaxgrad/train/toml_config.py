@@ -20,12 +20,14 @@ from typing import Any
 from jaxgrad.train.config import TrainConfig, train_config_fields
 from jaxgrad.train.errors import ConfigError
 
-# kind: "int", "float", "bool", "str", "ints", "strs", "float+"; a trailing "?" allows None (unset)
+# kind: "int", "float", "bool", "str", "ints", "strs", or alternatives joined by "|" ("strs|str": a list of strings
+# or one string); a trailing "?" allows None (unset)
 Spec = tuple  # (kind, default) or (kind, default, choices)
 
-_TRAIN_KINDS = {"steps": "int", "optimizer": "str", "lr": "float", "schedule": "str", "warmup_steps": "int",
+_TRAIN_KINDS = {"steps": "int", "optimizer": "str", "lr": "float?", "schedule": "str", "warmup_steps": "int",
                 "weight_decay": "float", "momentum": "float", "lbfgs_memory": "int", "linesearch": "str",
-                "accumulate": "int", "clip_norm": "float?", "nan_policy": "str", "grad_path": "str", "seed": "int",
+                "accumulate": "int", "clip_norm": "float?", "nan_policy": "str", "max_consecutive_skips": "int",
+                "grad_path": "str", "seed": "int",
                 "param_dtype": "str?", "compute_dtype": "str?", "output_dtype": "str?", "devices": "int?",
                 "checkpoint_every": "int", "keep": "int", "log_every": "int", "eval_every": "int",
                 "print_every": "int"}
@@ -39,10 +41,17 @@ def train_schema() -> dict[str, Spec]:
     return {k: (_TRAIN_KINDS[k], v) for k, v in train_config_fields().items()}
 
 
+_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+          "ints": "a list of integers", "strs": "a list of strings"}
+_OK = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+       "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+       "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+       "ints": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+       "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)}
+
+
 def _type_name(kind: str) -> str:
-    base = kind.rstrip("?")
-    name = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-            "ints": "a list of integers", "strs": "a list of strings"}[base]
+    name = " or ".join(_NAMES[b] for b in kind.rstrip("?").split("|"))
     return name + (" (or none)" if kind.endswith("?") else "")
 
 
@@ -54,12 +63,7 @@ def check_value(where: str, key: str, spec: Spec, value: Any) -> Any:
             return None
         raise ConfigError(f"{where}: '{key}' must be {_type_name(kind)}, got none")
     base = kind.rstrip("?")
-    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
-          "ints": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
-          "strs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)}[base](value)
-    if not ok:
+    if not any(_OK[b](value) for b in base.split("|")):
         raise ConfigError(f"{where}: '{key}' must be {_type_name(kind)}, got {value!r}")
     if base == "float":
         value = float(value)
@@ -129,14 +133,56 @@ def apply_override(cfg: dict, assignment: str, schema: dict) -> tuple[str, str]:
     return sec, name
 
 
-def resolve(schema: dict, config_file: str | None, overrides: list[str], base: dict | None = None) -> dict:
-    """Defaults (or ``base``, a saved run's config) <- the file <- the ``--set`` overrides."""
+def resolve(schema: dict, config_file: str | None, overrides: list[str], base: dict | None = None,
+            set_keys: list[str] | None = None) -> dict:
+    """Defaults (or ``base``, a saved run's config) <- the file <- the ``--set`` overrides. ``set_keys``: a list
+    that receives ``"section.key"`` of every override (in order)."""
     cfg = {sec: dict(v) for sec, v in (base or defaults(schema)).items()}
     if config_file is not None:
         apply_table(cfg, load_file(config_file), schema, str(config_file))
     for a in overrides:
-        apply_override(cfg, a, schema)
+        sec, name = apply_override(cfg, a, schema)
+        if set_keys is not None:
+            set_keys.append(f"{sec}.{name}")
     return cfg
+
+
+def resolve_resume(schema: dict, saved: dict, earlier_sets: list[str], config_file: str | None,
+                   overrides: list[str]) -> tuple[dict, list[str], list[str]]:
+    """``--resume``: the run's saved configuration <- the file <- the ``--set`` overrides.
+
+    ``earlier_sets``: the keys (``"section.key"``) set with ``--set`` by the commands that started and resumed the
+    run. Such a key keeps its saved value against the file, as it did against the file in the command that set it
+    (the same file passed again restores nothing the user overrode); a file value that differs is reported in a
+    note, and ``--set`` changes it. Keys added to the schema since the run was saved take their defaults.
+    Returns ``(cfg, set_keys, notes)``: ``set_keys`` is ``earlier_sets`` plus this command's, for the run file.
+    """
+    cfg = defaults(schema)
+    apply_table(cfg, saved, schema, "the run's saved configuration (run.json)")
+    earlier = list(dict.fromkeys(earlier_sets))
+    notes = []
+    if config_file is not None:
+        table = load_file(config_file)
+        from_file = {sec: dict(v) for sec, v in cfg.items()}
+        apply_table(from_file, table, schema, str(config_file))
+        for sec, body in table.items():
+            for key in body:
+                name, value, kept = f"{sec}.{key}", from_file[sec][key], cfg[sec][key]
+                if name in earlier and value != kept:
+                    notes.append((name, f"note: {config_file} has {name} = {value!r}, but the run was given --set "
+                                        f"{name}={kept!r}, which is kept (--set outranks the file); change it with "
+                                        f"--set"))
+                else:
+                    cfg[sec][key] = value
+    sets: list[str] = []
+    cfg = resolve(schema, None, overrides, base=cfg, set_keys=sets)
+    return cfg, list(dict.fromkeys(earlier + sets)), [msg for name, msg in notes if name not in sets]
+
+
+def changed_keys(old: dict, new: dict) -> list[str]:
+    """``section.key: old -> new`` for every key whose value differs."""
+    return [f"{sec}.{k}: {old.get(sec, {}).get(k)!r} -> {v!r}" for sec, body in new.items() for k, v in body.items()
+            if old.get(sec, {}).get(k) != v]
 
 
 def train_config(cfg: dict, where: str = "[train]") -> TrainConfig:
