@@ -32,6 +32,14 @@ _HF_IGNORED = {"architectures", "model_type", "torch_dtype", "dtype", "transform
                "rope_parameters"}
 
 
+_REGEX_LAYERS = 256  # a regex target_modules must select the same projections in layers 0 .. 255
+
+
+def layer_module_name(layer: int, group: str, name: str) -> str:
+    """A projection's full module name in a Hugging Face Llama, what PEFT matches ``target_modules`` against."""
+    return f"model.layers.{layer}.{group}.{name}"
+
+
 def _freeze(value):
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
@@ -162,9 +170,13 @@ class LoraConfig:
       r: rank (> 0).
       lora_alpha: scale numerator; ``s = lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``).
       lora_dropout: dropout probability on the LoRA input, in [0, 1).
-      target_modules: names (``"q_proj"`` or ``"self_attn.q_proj"``; a name matches when equal to the module's
-        name or path, or a suffix after a dot), ``"all-linear"`` (all 7), or a regular expression matched with
-        ``re.fullmatch`` against the path ``"self_attn.q_proj"``. Default (PEFT's for Llama): q_proj, v_proj.
+      target_modules: a list of names (``"q_proj"`` or ``"self_attn.q_proj"``; a name matches when equal to the
+        module's name or path, or a suffix after a dot), ``"all-linear"`` (all 7), or one string: a regular
+        expression matched as PEFT matches it, ``re.fullmatch`` against the module's full name in the model,
+        ``"model.layers.{i}.self_attn.q_proj"`` (e.g. ``".*\\.(q_proj|v_proj)"`` or
+        ``"model\\.layers\\.\\d+\\.mlp\\..*"`` as Python strings). One set of projections applies to every
+        layer, so a regex that picks different projections in different layers is refused (checked for layers 0
+        to 255; :meth:`check_layers` checks a model's own count). Default (PEFT's for Llama): q_proj, v_proj.
       use_rslora: rank-stabilised scale.
       init_lora_weights: ``True`` (PEFT: Kaiming-uniform A, i.e. U(+-1/sqrt(in)), zero B), ``"gaussian"``
         (A ~ N(0, 1/r^2), zero B) or ``False`` (random non-zero A and B; for tests).
@@ -196,9 +208,22 @@ class LoraConfig:
         elif not isinstance(tm, str):
             raise ValueError(f"LoraConfig: 'target_modules' must be a list of names, 'all-linear' or a regex, got "
                              f"{tm!r}")
+        elif tm != "all-linear":
+            try:
+                re.compile(tm)
+            except re.error as err:
+                raise ValueError(f"LoraConfig: 'target_modules' {tm!r} is not a valid regular expression ({err})") \
+                    from None
+            self.check_layers(_REGEX_LAYERS)
         if not self.targets:
+            hint = ""
+            if isinstance(tm, str):
+                hint = (f"; a regex is matched with re.fullmatch against full module names such as "
+                        f"'{layer_module_name(0, *PROJECTIONS[0])}' (PEFT's rule), e.g. r'.*\\.(q_proj|v_proj)'")
+            elif any(set(t) & set("*+?[]()|\\^$") for t in tm):
+                hint = "; a list holds module names: give a regex as one string, not inside a list"
             raise ValueError(f"LoraConfig: 'target_modules' {tm!r} matches none of the block's projections "
-                             f"{[f'{g}.{n}' for g, n in PROJECTIONS]}")
+                             f"{[f'{g}.{n}' for g, n in PROJECTIONS]}{hint}")
 
     @property
     def scale(self) -> float:
@@ -211,9 +236,29 @@ class LoraConfig:
         if tm == "all-linear":
             return PROJECTIONS
         if isinstance(tm, str):
-            return tuple((g, n) for g, n in PROJECTIONS if re.fullmatch(tm, f"{g}.{n}"))
+            return self._layer_targets(0)
         return tuple((g, n) for g, n in PROJECTIONS
                      if any(t in (n, f"{g}.{n}") or f"{g}.{n}".endswith("." + t) for t in tm))
+
+    def _layer_targets(self, layer: int) -> tuple[tuple[str, str], ...]:
+        """A regex ``target_modules``' projections in layer ``layer`` (PEFT's full-name match)."""
+        return tuple((g, n) for g, n in PROJECTIONS
+                     if re.fullmatch(self.target_modules, layer_module_name(layer, g, n)))
+
+    def check_layers(self, n_layers: int) -> None:
+        """Refuse a regex ``target_modules`` that selects different projections in different layers of a model of
+        ``n_layers`` layers (one set applies to every layer); names and ``"all-linear"`` always pass."""
+        tm = self.target_modules
+        if not isinstance(tm, str) or tm == "all-linear":
+            return
+        first = self._layer_targets(0)
+        for i in range(1, n_layers):
+            other = self._layer_targets(i)
+            if other != first:
+                raise ValueError(f"LoraConfig: 'target_modules' regex {tm!r} selects different projections in "
+                                 f"different layers (layer 0: {[n for _, n in first]}, layer {i}: "
+                                 f"{[n for _, n in other]}); one set applies to every layer: use a regex that does "
+                                 f"not depend on the layer index, or a list of names")
 
     def is_targeted(self, group: str, name: str) -> bool:
         return (group, name) in self.targets

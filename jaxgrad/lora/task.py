@@ -1,7 +1,8 @@
 r"""Causal-LM training of the Llama family (:mod:`jaxgrad.lora`) as a :class:`jaxgrad.train.Task`.
 
 Data: byte-level tokens (vocab 256) of real text that ships with every Python, the standard library's own source:
-the files matching ``files`` (a glob relative to ``sysconfig.get_paths()["stdlib"]``, ``site-packages`` excluded)
+the files matching ``files`` (a glob relative to ``sysconfig.get_paths()["stdlib"]``, ``site-packages`` excluded;
+or an absolute path or glob, ``~`` expanded, for text of your own; ``**`` matches directories recursively)
 in sorted order, concatenated, bytes ``[offset, offset + n_bytes)``. The first ``1 - held_out`` of them train, the
 rest is held out (split by position). A training batch is ``batch_size`` windows of ``seq_len`` bytes starting at
 positions drawn by ``numpy.random.default_rng([seed, epoch, index])``: a deterministic function of
@@ -26,6 +27,13 @@ grad paths draw the same masks from the same key; evaluation runs without dropou
 ``grad_path="custom_vjp"`` differentiates the model through the whole-block custom VJP (``backend="xla"``),
 ``"reference"`` is ``jax.grad`` of the plain reference block (``backend="reference"``), both in LoRA modes.
 
+Throughput is counted in tokens (every position of every window, ``batch_size * seq_len`` per micro-batch,
+whatever the accumulation): ``tokens/s`` in the progress display, ``tokens_per_s`` in the metrics and the summary.
+
+Errors: a bad setting raises :class:`~jaxgrad.train.errors.ConfigError`, data that cannot be used as configured
+(no file matches, too few bytes, a base checkpoint that cannot be loaded) :class:`~jaxgrad.train.errors.DataError`;
+both name the key.
+
 Loss (the engine's contract). With labels = inputs (HF's shift inside :func:`~jaxgrad.lora.model.token_losses`),
 micro-batch :math:`j` returns
 
@@ -45,7 +53,9 @@ micro-batch :math:`j` returns
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
 import pathlib
 import sysconfig
 
@@ -55,6 +65,7 @@ import numpy as np
 
 from jaxgrad.lora.config import LlamaConfig, LoraConfig
 from jaxgrad.lora.model import apply, causal_lm_loss, count_items, init, init_lora
+from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
 MODES = ("full", "lora", "qlora")
@@ -94,7 +105,7 @@ class LoraFit:
     def __post_init__(self):
         def need(cond, field, expected):
             if not cond:
-                raise ValueError(f"LoRA fit: '{field}' must be {expected}, got {getattr(self, field)!r}")
+                raise ConfigError(f"LoRA fit: '{field}' must be {expected}, got {getattr(self, field)!r}")
 
         need(self.mode in MODES, "mode", f"one of {MODES}")
         need(self.dtype in ("float32", "float64", "bfloat16"), "dtype", "'float32', 'float64' or 'bfloat16'")
@@ -106,13 +117,19 @@ class LoraFit:
         need(isinstance(self.lora_dropout, (int, float)) and 0.0 <= self.lora_dropout < 1.0, "lora_dropout",
              "a probability in [0, 1)")
         need(self.mode != "full" or self.lora_dropout == 0.0, "lora_dropout", "0 in mode 'full' (no adapters)")
+        need(isinstance(self.files, str) and self.files.strip() != "", "files", "a glob pattern or path")
         if isinstance(self.target_modules, list):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
-            raise ValueError("LoRA fit: dtype 'float64' needs jax_enable_x64 (set it before creating arrays)")
-        self.llama_config()  # validates the model keys, naming them
-        if self.mode != "full":
-            self.lora_config()
+            raise ConfigError("LoRA fit: dtype 'float64' needs jax_enable_x64 (set it before creating arrays)")
+        try:
+            self.llama_config()  # validates the model keys, naming them
+            if self.mode != "full":
+                self.lora_config().check_layers(self.num_hidden_layers)
+        except ConfigError:
+            raise
+        except ValueError as err:  # LlamaConfig / LoraConfig name the key
+            raise ConfigError(f"LoRA fit: {err}") from None
 
     def llama_config(self) -> LlamaConfig:
         return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -130,11 +147,20 @@ class LoraFit:
 
 
 def stdlib_files(pattern: str) -> list[pathlib.Path]:
-    """The standard library's files matching ``pattern`` (relative glob), sorted, ``site-packages`` excluded."""
+    """The files matching ``pattern``, sorted: a glob relative to the standard library (``site-packages``
+    excluded), or an absolute path or glob (``~`` expanded; ``**`` recursive). No match: a
+    :class:`~jaxgrad.train.errors.DataError` naming ``files``."""
+    expanded = os.path.expanduser(pattern)
+    if os.path.isabs(expanded):
+        files = sorted(pathlib.Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError(f"LoRA fit: 'files' {pattern!r} matches no file")
+        return files
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob(pattern) if p.is_file() and "site-packages" not in p.relative_to(root).parts)
     if not files:
-        raise ValueError(f"LoRA fit: 'files' pattern {pattern!r} matches no file under {root}")
+        raise DataError(f"LoRA fit: 'files' pattern {pattern!r} matches no file under {root} (a relative pattern is "
+                        f"a glob in the standard library; give an absolute path for other files)")
     return files
 
 
@@ -147,7 +173,7 @@ def stdlib_bytes(pattern: str, offset: int, n_bytes: int) -> np.ndarray:
         if have >= need:
             break
     if have < need:
-        raise ValueError(f"LoRA fit: 'n_bytes' + 'offset' = {need} but the files {pattern!r} hold only {have} bytes")
+        raise DataError(f"LoRA fit: 'n_bytes' + 'offset' = {need} but the files {pattern!r} hold only {have} bytes")
     return np.frombuffer(b"".join(chunks)[offset:need], np.uint8)
 
 
@@ -192,13 +218,16 @@ def load_base(fit: LoraFit, cfg: LlamaConfig) -> dict:
     dtype = jnp.dtype(fit.dtype)
     if fit.base is None:
         return init(jax.random.key(fit.base_seed), cfg, dtype)
-    from jaxgrad.lora.hf import load_hf_checkpoint
+    from jaxgrad.lora.hf import CheckpointError, load_hf_checkpoint
 
-    ck_cfg, params = load_hf_checkpoint(fit.base, dtype=dtype)
+    try:
+        ck_cfg, params = load_hf_checkpoint(fit.base, dtype=dtype)
+    except (FileNotFoundError, CheckpointError) as err:
+        raise DataError(f"LoRA fit: 'base' {fit.base}: {err}") from None
     diff = [f"{f.name}: checkpoint {getattr(ck_cfg, f.name)!r}, configured {getattr(cfg, f.name)!r}"
             for f in dataclasses.fields(LlamaConfig) if getattr(ck_cfg, f.name) != getattr(cfg, f.name)]
     if diff:
-        raise ValueError(f"LoRA fit: 'base' checkpoint {fit.base} does not match the configured model: "
+        raise DataError(f"LoRA fit: 'base' checkpoint {fit.base} does not match the configured model: "
                          + "; ".join(diff))
     return params
 
@@ -225,7 +254,7 @@ def make_task(fit: LoraFit, base_params: dict | None = None) -> Task:
     dtype = jnp.dtype(fit.dtype)
     train, held = split_text(stdlib_bytes(fit.files, fit.offset, fit.n_bytes), fit.held_out)
     if len(train) < fit.seq_len or len(held) < fit.seq_len:
-        raise ValueError(f"LoRA fit: 'n_bytes' = {fit.n_bytes} leaves {len(train)} train / {len(held)} held-out "
+        raise DataError(f"LoRA fit: 'n_bytes' = {fit.n_bytes} leaves {len(train)} train / {len(held)} held-out "
                          f"bytes, fewer than 'seq_len' = {fit.seq_len}")
     nb = max(1, len(train) // (fit.batch_size * fit.seq_len))
 
@@ -285,6 +314,7 @@ def make_task(fit: LoraFit, base_params: dict | None = None) -> Task:
     return Task("lora", init=init_fn, loss=loss, reference_loss=reference_loss, batches=batches,
                 batches_per_epoch=nb, evaluate=evaluate, trainable=trainable,
                 loss_takes_key=lcfg is not None and lcfg.lora_dropout > 0,
+                throughput_unit="tokens", throughput_count=lambda batch: int(np.size(batch["input_ids"])),
                 describe=f"Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
                          f"{cfg.num_key_value_heads} heads, inter {cfg.intermediate_size}, {fit.dtype}, base {what}"
                          f"{adapters}; stdlib {fit.files!r} bytes {fit.offset}+{fit.n_bytes}: {len(train)} train / "
@@ -301,7 +331,7 @@ CLI_SCHEMA = {
               "intermediate_size": ("int", 64), "rope_theta": ("float", 10000.0), "seq_len": ("int", 32),
               "dtype": ("str", "float32", ("float32", "float64", "bfloat16")), "base": ("str?", None),
               "base_seed": ("int", 0), "r": ("int", 4), "lora_alpha": ("float", 8.0), "lora_dropout": ("float", 0.0),
-              "target_modules": ("strs", ["all-linear"]), "use_rslora": ("bool", False),
+              "target_modules": ("strs|str", ["all-linear"]), "use_rslora": ("bool", False),
               "nf4_blocksize": ("int", 64), "double_quant": ("bool", False)},
     "data": {"files": ("str", "*.py"), "offset": ("int", 0), "n_bytes": ("int", 65536), "held_out": ("float", 0.1),
              "batch_size": ("int", 8), "seed": ("int", 0)},
@@ -323,7 +353,8 @@ def fit_from_config(cfg: dict) -> LoraFit:
                    intermediate_size=m["intermediate_size"], rope_theta=float(m["rope_theta"]), seq_len=m["seq_len"],
                    dtype=m["dtype"], base=m["base"], base_seed=m["base_seed"], r=m["r"],
                    lora_alpha=float(m["lora_alpha"]), lora_dropout=float(m["lora_dropout"]),
-                   target_modules=tm[0] if len(tm) == 1 and tm[0] == "all-linear" else tuple(tm),
+                   target_modules=tm if isinstance(tm, str) else
+                   tm[0] if len(tm) == 1 and tm[0] == "all-linear" else tuple(tm),
                    use_rslora=m["use_rslora"], nf4_blocksize=m["nf4_blocksize"], double_quant=m["double_quant"],
                    files=d["files"], offset=d["offset"], n_bytes=d["n_bytes"], held_out=float(d["held_out"]),
                    batch_size=d["batch_size"], data_seed=d["seed"])
