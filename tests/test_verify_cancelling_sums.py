@@ -86,7 +86,7 @@ def test_correct_denoiser_passes_both_gates(cnn_args):
 @pytest.mark.parametrize("layer", [0, 2])
 def test_flipped_weight_gradient_passes_per_entry_but_fails_the_statistics(cnn_args, layer):
     rep = _check(_denoiser_loss(layer), cnn_args)
-    bad = rep.leaf(f"params[{layer}]['w']", rep.precision.precision)
+    bad = rep.as_called(f"params[{layer}]['w']")
     assert bad.kappa > 1e4  # the cancelling-sum regime
     assert bad.normalized_err < bad.bound, "per-entry gate caught it: this case no longer shows the gap"
     assert bad.per_entry_passed and not bad.statistics_passed and not bad.passed

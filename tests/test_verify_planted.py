@@ -92,7 +92,7 @@ def test_audit_passes_a_correct_vjp_across_sizes():
 def test_audit_fails_a_bug_at_every_size():
     rep = audit(CASES["linear/bias-grad-mean"].fn, linear_reference, _linear_args, [7, 129, 4099], fd=False)
     assert not rep.passed
-    assert all(not r.leaf("args[2]", run=r.precision.precision).passed for r in rep.reports)
+    assert all(not r.as_called("args[2]").passed for r in rep.reports)
 
 
 def _growing_error_linear(scale_per_row: float):
@@ -132,6 +132,6 @@ def test_audit_flags_an_error_that_grows_faster_than_rounding_even_when_each_siz
                 adjoint=False)
     trend = {c.name: c for c in rep.trend}
     w_trend = trend["error vs size args[1]"]
-    assert all(r.leaf("args[1]", run=r.precision.precision).passed for r in rep.reports), str(rep)
+    assert all(r.as_called("args[1]").passed for r in rep.reports), str(rep)
     assert not w_trend.passed and "grows faster than rounding" in w_trend.detail, w_trend.detail
     assert not rep.passed

@@ -380,10 +380,10 @@ def verifier_demo(*, seed: int = 0, shape: tuple[int, int, int] = (2, 12, 10), l
     for case, fn in (("correct", conv2d_layer), ("planted flip of dW", _conv_flipped_dw(**options))):
         rep = check_vjp(fn, reference, x, w, b, seed=seed, fd=fd, arg_names=("x", "w", "b"),
                         name=f"conv2d layer {layer + 1} [{backend}] ({case}) vs conv2d_reference")
-        lw = rep.leaf("w", rep.precision.precision)
-        out.append({"kind": "verifier", "case": case, "passed": rep.passed, "precision": rep.precision.precision,
+        lw = rep.as_called("w")
+        out.append({"kind": "verifier", "case": case, "passed": rep.passed, "precision": lw.run,
                     "w_rel_err": lw.rel_err, "w_normalized_err": lw.normalized_err, "w_bound": lw.bound,
-                    "w_normalized_units": lw.normalized_err / _U[rep.precision.precision],
+                    "w_normalized_units": lw.normalized_err / _U[lw.run],
                     "w_diagnosis": lw.diagnosis_kind, "w_diagnosis_message": lw.diagnosis.message
                     if lw.diagnosis else None, "x_shape": list(x.shape), "w_shape": list(w.shape),
                     "device": jax.devices()[0].device_kind, "report": str(rep)})

@@ -80,10 +80,10 @@ def _size_trend(sizes, reports) -> list[Check]:
     from scipy import stats as sps
 
     checks = []
-    run = reports[0].precision.precision
     names = [lf.name for lf in reports[0].leaves if lf.run != "f64"]
     for name in names:
-        leaves = [r.leaf(name, run=r.precision.precision) for r in reports]
+        leaves = [r.as_called(name) for r in reports]
+        run = "/".join(dict.fromkeys(lf.run for lf in leaves))
         if len(leaves) < 2 or any(lf.stats is None or not lf.ref_rel_err for lf in leaves):
             checks.append(Check(f"error vs size {name}", True, "not judged (needs two sizes with a modelled "
                                                                "rounding)"))

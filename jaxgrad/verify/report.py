@@ -112,7 +112,7 @@ class VJPReport:
     notes: list[str]
     environment: dict[str, Any]
     seed: int
-    # Wall seconds per stage of check_vjp, compilation included (jaxgrad.verify.timing; "total" the whole call)
+    # Wall seconds per stage of check_vjp, compilation included (jaxgrad.verify.cost; "total" the whole call)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     # The precision of the forward and of each gradient read from fn's own program (program_precision.py):
     # (output, description); empty where the program could not be read
@@ -124,6 +124,14 @@ class VJPReport:
             if (lf.name == name or lf.name.endswith(name)) and (run is None or lf.run == run):
                 return lf
         raise KeyError(f"no leaf {name!r} (run={run}) in report; leaves: {[lf.name for lf in self.leaves]}")
+
+    def as_called(self, name: str) -> LeafResult:
+        """The as-called row of an argument leaf, at whatever precision it was judged (each gradient is judged at
+        its own program's precision: :mod:`jaxgrad.verify.program_precision`)."""
+        for lf in self.leaves:
+            if (lf.name == name or lf.name.endswith(name)) and lf.run != "f64":
+                return lf
+        raise KeyError(f"no as-called leaf {name!r} in report; leaves: {[lf.name for lf in self.leaves]}")
 
     @property
     def failures(self) -> list[LeafResult]:
