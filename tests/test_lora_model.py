@@ -172,6 +172,28 @@ def test_token_ids_outside_the_vocabulary_under_jit_give_nan_logits_for_their_se
         np.testing.assert_array_equal(out[0], good[0])
 
 
+@pytest.mark.parametrize("bad", [-1, -7, 11])
+def test_labels_outside_the_vocabulary_are_refused_by_name_where_concrete(bad):
+    # a negative label other than -100 used to wrap to another class (take_along_axis), one >= vocab to clamp
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 11)), jnp.float32)
+    labels = np.full((2, 5), 3)
+    labels[1, 2] = bad
+    with pytest.raises(ValueError, match=r"'labels' must lie in \[0, 11\).*-100.*at \[1, 2\]"):
+        causal_lm_loss(logits, labels, 8)
+    labels[1, 2] = IGNORE_INDEX
+    assert np.isfinite(causal_lm_loss(logits, labels, 7))
+
+
+def test_labels_outside_the_vocabulary_under_jit_give_a_nan_loss():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 11)), jnp.float32)
+    labels = np.full((2, 5), 3)
+    loss = jax.jit(causal_lm_loss)
+    assert np.isfinite(loss(logits, labels, 8))
+    for bad in (-1, 11):
+        labels[1, 2] = bad
+        assert np.isnan(loss(logits, labels, 8))
+
+
 def test_a_concrete_attention_mask_must_be_zeros_and_ones():
     params, lora = _model(14, jnp.float32)
     ids, _ = _batch(15, 2, 5)

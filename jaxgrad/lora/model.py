@@ -216,19 +216,38 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
                       preferred_element_type=jnp.promote_types(dtype, jnp.float32)).astype(dtype)
 
 
+def _check_labels(labels, vocab: int, ignore_index: int) -> None:
+    """Labels in ``[0, vocab)`` or ``ignore_index``, checked on the host where they are concrete (PyTorch's
+    cross-entropy raises there too); under ``jit`` see :func:`token_losses`."""
+    if isinstance(labels, jax.core.Tracer):
+        return
+    lab = np.asarray(labels)
+    bad = ((lab < 0) | (lab >= vocab)) & (lab != ignore_index)
+    if bad.any():
+        at = [int(i) for i in np.argwhere(bad)[0]]
+        raise ValueError(f"causal_lm_loss: 'labels' must lie in [0, {vocab}) (the vocabulary size: the logits' last "
+                         f"axis) or be {ignore_index} (ignored), got {lab[tuple(at)].item()} at {at}")
+
+
 def token_losses(logits, labels, ignore_index: int = IGNORE_INDEX):
     """``(losses [batch, seq-1], valid)``: fp32 (f64 for f64) cross-entropy of ``logits[:, t]`` against
-    ``labels[:, t + 1]`` (HF's shift), 0 where the label is ``ignore_index``."""
+    ``labels[:, t + 1]`` (HF's shift), 0 where the label is ``ignore_index``.
+
+    A label outside ``[0, vocab)`` other than ``ignore_index`` is refused where the labels are concrete; under
+    ``jit`` it cannot be, and its loss is NaN (never another class's: a gather would wrap or clamp it)."""
     if logits.shape[:2] != np.shape(labels):
         raise ValueError(f"causal_lm_loss: 'labels' must be [batch, seq] = {logits.shape[:2]}, got {np.shape(labels)}")
+    _check_labels(labels, logits.shape[-1], ignore_index)
     cdt = jnp.promote_types(logits.dtype, jnp.float32)
     z = logits[:, :-1].astype(cdt)
     target = jnp.asarray(labels)[:, 1:]
     valid = target != ignore_index
-    safe = jnp.where(valid, target, 0)
+    in_range = (target >= 0) & (target < z.shape[-1])
+    safe = jnp.where(valid & in_range, target, 0)
     lse = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, safe[..., None], axis=-1)[..., 0]
-    return jnp.where(valid, lse - picked, 0.0), valid
+    loss = jnp.where(in_range, lse - picked, jnp.nan)
+    return jnp.where(valid, loss, 0.0), valid
 
 
 def count_items(labels_window, ignore_index: int = IGNORE_INDEX) -> int:
