@@ -61,6 +61,27 @@ def _pair(value: Any, name: str, minimum: int) -> tuple[int, int]:
     return pair
 
 
+def check_precision(precision: Any, where: str = "conv2d") -> None:
+    """``precision`` must be what ``lax`` accepts: ``None``, a ``jax.lax.Precision``, one of its names
+    (``"highest"``, ``"float32"``, ``"high"``, ``"tensorfloat32"``, ``"default"``, ...), or a pair of them."""
+    def ok(p):
+        if p is None or isinstance(p, jax.lax.Precision):
+            return True
+        if isinstance(p, str):
+            try:
+                jax.lax.Precision(p)
+                return True
+            except ValueError:
+                return False
+        return False
+
+    pair = isinstance(precision, (tuple, list)) and len(precision) == 2 and all(ok(p) for p in precision)
+    if not (ok(precision) or pair or isinstance(precision, getattr(jax.lax, "DotAlgorithmPreset", ()))):
+        raise ValueError(f"{where}: 'precision' must be None, a jax.lax.Precision, one of 'default', 'high', "
+                         f"'highest' (or 'bfloat16', 'tensorfloat32', 'float32', ...) or a pair of them, got "
+                         f"{precision!r}")
+
+
 def resolve_padding(padding: Padding, in_hw: Sequence[int], kernel_hw: Sequence[int],
                     stride: Sequence[int], dilation: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int]]:
     """Explicit ``((p_t, p_b), (p_l, p_r))`` for ``"SAME"``, ``"VALID"``, an int or explicit pairs.
@@ -126,6 +147,8 @@ def check_conv_args(x: Any, w: Any, b: Any = None, *, layout: str | None = None)
             layout_name = "[N, H, W, C] (NHWC)" if name == "x" else "[kh, kw, Cin, Cout] (HWIO)"
             raise ValueError(f"conv2d: {name} must have rank {rank}, {layout_name}; got shape {tuple(arr.shape)}")
     cin, ws = w.shape[2], tuple(w.shape)
+    if min(ws[:2]) < 1:
+        raise ValueError(f"conv2d: w's kernel must be at least 1x1 (w is HWIO [kh, kw, Cin, Cout] = {ws})")
     if x.shape[-1] != cin:
         hint = ""
         if x.shape[1] == cin:
@@ -190,6 +213,7 @@ def conv2d_reference(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, 
     :func:`conv2d_input_grad`).
     """
     check_conv_args(x, w, b, layout=layout)
+    check_precision(precision, "conv2d_reference")
     stride, dilation = _pair(stride, "stride", 1), _pair(dilation, "dilation", 1)
     pads = resolve_padding(padding, x.shape[1:3], w.shape[:2], stride, dilation)
     _check_geometry(x.shape, w.shape, stride, pads, dilation)
@@ -355,6 +379,7 @@ def conv2d(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, stride: in
         raise ValueError(f"conv2d: backend must be one of {BACKENDS}, got {backend!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"conv2d: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_precision(precision)
     stride, dilation = _pair(stride, "stride", 1), _pair(dilation, "dilation", 1)
     pads = resolve_padding(padding, x.shape[1:3], w.shape[:2], stride, dilation)
     _check_geometry(x.shape, w.shape, stride, pads, dilation)

@@ -104,6 +104,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mrcfile
 import numpy as np
@@ -364,7 +365,11 @@ def open_stack(path: str | os.PathLike, *, permissive: bool = False) -> MRCStack
     ``permissive=True`` is passed to ``mrcfile.mmap``: a missing ``MAP`` identifier or a bad machine stamp then
     only warns. The checks on mode, dimensions and file size apply either way.
     """
-    path = Path(path)
+    path = _as_path(path, "open_stack")
+    if path.is_dir():
+        raise IsADirectoryError(f"open_stack: {path} is a directory; expected an MRC file")
+    if not path.exists():
+        raise FileNotFoundError(f"open_stack: {path} does not exist (expected an MRC file)")
     header, size = _read_header(path, permissive)
     mode = int(header.mode)
     if mode not in SUPPORTED_MODES:
@@ -404,6 +409,19 @@ def open_stack(path: str | os.PathLike, *, permissive: bool = False) -> MRCStack
 
 _DTYPE_TO_MODE = {np.dtype(np.int8): 0, np.dtype(np.int16): 1, np.dtype(np.float32): 2, np.dtype(np.uint16): 6,
                   np.dtype(np.float16): 12}
+
+
+def _as_path(path: Any, where: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: 'path' must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    return Path(path)
+
+
+def _check_voxel_size(voxel_size: Any, where: str) -> float:
+    if isinstance(voxel_size, bool) or not isinstance(voxel_size, (int, float, np.integer, np.floating)) or \
+            not (np.isfinite(voxel_size) and voxel_size > 0):
+        raise ValueError(f"{where}: 'voxel_size' must be a positive number (Angstrom per pixel), got {voxel_size!r}")
+    return float(voxel_size)
 
 
 def _check_target(path: Path, overwrite: bool) -> None:
@@ -493,11 +511,13 @@ def stack_writer(path: str | os.PathLike, shape: tuple[int, int, int], *, mrc_mo
     (every particle written) the header statistics are set and the file is moved to ``path``; on an exception the
     temporary file is deleted and ``path`` is untouched. Refuses an existing ``path`` unless ``overwrite=True``.
     """
-    path = Path(path)
+    path = _as_path(path, "stack_writer")
     if mrc_mode not in SUPPORTED_MODES:
-        raise ValueError(f"stack_writer: 'mrc_mode' must be one of {_supported_text()}, got {mrc_mode}")
-    if len(shape) != 3 or min(shape) <= 0:
-        raise ValueError(f"stack_writer: 'shape' must be (n, H, W) with positive sizes, got {shape}")
+        raise ValueError(f"stack_writer: 'mrc_mode' must be one of {_supported_text()}, got {mrc_mode!r}")
+    if (not isinstance(shape, (tuple, list)) or len(shape) != 3
+            or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in shape) or min(shape) <= 0):
+        raise ValueError(f"stack_writer: 'shape' must be (n, H, W) with positive sizes, got {shape!r}")
+    voxel_size = _check_voxel_size(voxel_size, "stack_writer")
     _check_target(path, overwrite)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
     mrc = mrcfile.new_mmap(tmp, shape=tuple(int(s) for s in shape), mrc_mode=mrc_mode)
@@ -522,6 +542,8 @@ def write_stack(path: str | os.PathLike, array, voxel_size: float = 1.0, overwri
     written as mode 6 and float64 as mode 2 (rounded to float32). Other dtypes raise a ``ValueError``. Refuses to
     replace an existing file unless ``overwrite=True``; the file appears only once completely written.
     """
+    _as_path(path, "write_stack")
+    _check_voxel_size(voxel_size, "write_stack")
     a = np.asarray(array)
     if a.ndim == 2:
         a = a[None]

@@ -42,19 +42,56 @@ class DenoiserConfig:
     residual: bool = False
 
     def __post_init__(self):
+        if isinstance(self.channels, (str, bytes)) or not isinstance(self.channels, Iterable):
+            raise TypeError(f"DenoiserConfig: channels must be a sequence of >= 2 positive ints (in, hidden..., "
+                            f"out), got {type(self.channels).__name__} {self.channels!r}")
         chans = tuple(self.channels)
-        if len(chans) < 2 or any((not isinstance(c, (int, np.integer))) or c < 1 for c in chans):
+        if len(chans) < 2 or any(_not_int(c) or c < 1 for c in chans):
             raise ValueError(f"DenoiserConfig: channels must be >= 2 positive ints (in, hidden..., out), "
                              f"got {self.channels!r}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"DenoiserConfig: kernel_size must be a positive odd int, got {self.kernel_size}")
+        if _not_int(self.kernel_size) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"DenoiserConfig: kernel_size must be a positive odd int, got {self.kernel_size!r}")
+        if not isinstance(self.residual, (bool, np.bool_)):
+            raise TypeError(f"DenoiserConfig: residual must be True or False, got {self.residual!r}")
         if self.residual and chans[0] != chans[-1]:
             raise ValueError(f"DenoiserConfig: residual=True needs channels[0] == channels[-1], got {chans}")
         object.__setattr__(self, "channels", chans)
 
 
+def _not_int(v: Any) -> bool:
+    return isinstance(v, bool) or not isinstance(v, (int, np.integer))
+
+
+def check_key(key: Any, where: str) -> None:
+    """``key`` must be a JAX PRNG key: ``jax.random.key(seed)`` or the legacy ``jax.random.PRNGKey(seed)``."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                              or (dtype == np.uint32 and getattr(key, "shape", ())[-1:] in ((2,), (4,)))):
+        return
+    what = f"an array of {dtype} {tuple(key.shape)}" if dtype is not None and hasattr(key, "shape") else \
+        f"{type(key).__name__} {key!r}"
+    raise TypeError(f"{where}: 'key' must be a JAX PRNG key (jax.random.key(seed)), got {what}")
+
+
+def check_float_dtype(dtype: Any, where: str) -> None:
+    try:
+        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"{where}: 'dtype' must be a floating dtype (float32, bfloat16, float64), got {dtype!r}")
+
+
 def init(key: jax.Array, cfg: DenoiserConfig = DenoiserConfig(), dtype: Any = jnp.float32) -> Params:
-    """PyTorch ``Conv2d`` default initialisation: ``w, b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
+    """PyTorch ``Conv2d`` default initialisation: ``w, b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in))``.
+
+    ``cfg`` is a :class:`DenoiserConfig` (e.g. ``DenoiserConfig(channels=(1, 32, 32, 1))``)."""
+    check_key(key, "denoiser.init")
+    if not isinstance(cfg, DenoiserConfig):
+        raise TypeError(f"denoiser.init: 'cfg' must be a DenoiserConfig, got {type(cfg).__name__} {cfg!r}"
+                        + (f"; e.g. DenoiserConfig(channels={tuple(cfg)!r})" if isinstance(cfg, (tuple, list))
+                           else ""))
+    check_float_dtype(dtype, "denoiser.init")
     k = cfg.kernel_size
     params = []
     for key_l, (cin, cout) in zip(jax.random.split(key, len(cfg.channels) - 1),
@@ -77,6 +114,12 @@ def check_params(params: Any) -> None:
         if getattr(w, "ndim", None) != 4:
             raise ValueError(f"denoiser params[{i}]['w'] must be [kh, kw, Cin, Cout] (HWIO), got shape "
                              f"{tuple(getattr(w, 'shape', ()))}")
+        if w.shape[0] != w.shape[1] or w.shape[0] % 2 == 0:
+            hint = (" (it looks like PyTorch's OIHW [Cout, Cin, k, k]: convert it with "
+                    "jaxgrad.cnn.layout.torch_weight_to_hwio or layout.from_torch_state_dict)"
+                    if w.shape[2] == w.shape[3] and w.shape[2] % 2 else "")
+            raise ValueError(f"denoiser params[{i}]['w'] {tuple(w.shape)} has a {w.shape[0]}x{w.shape[1]} kernel; "
+                             f"the denoiser's kernels are square and odd, HWIO [k, k, Cin, Cout]{hint}")
         if i and w.shape[2] != params[i - 1]["w"].shape[3]:
             raise ValueError(f"denoiser params[{i}]['w'] expects Cin={w.shape[2]} but layer {i - 1} outputs "
                              f"{params[i - 1]['w'].shape[3]} channels")

@@ -40,44 +40,44 @@ from typing import Any
 import numpy as np
 
 
-def _as_4d(name: str, a: Any) -> Any:
+def _as_4d(name: str, a: Any, where: str) -> Any:
     if not hasattr(a, "ndim"):
         a = np.asarray(a)
     if a.ndim != 4:
-        raise ValueError(f"{name} must be a 4-D array, got shape {tuple(a.shape)}")
+        raise ValueError(f"{where}: '{name}' must be a 4-D array, got shape {tuple(a.shape)}")
     return a
 
 
 def torch_weight_to_hwio(w_oihw: Any) -> Any:
     """PyTorch ``Conv2d.weight`` ``[Cout, Cin, kh, kw]`` (OIHW) -> ``[kh, kw, Cin, Cout]`` (HWIO). No flip."""
-    return _as_4d("w_oihw", w_oihw).transpose(2, 3, 1, 0)
+    return _as_4d("w_oihw", w_oihw, "torch_weight_to_hwio").transpose(2, 3, 1, 0)
 
 
 def hwio_to_torch_weight(w_hwio: Any) -> Any:
     """``[kh, kw, Cin, Cout]`` (HWIO) -> PyTorch ``[Cout, Cin, kh, kw]`` (OIHW). No flip."""
-    return _as_4d("w_hwio", w_hwio).transpose(3, 2, 0, 1)
+    return _as_4d("w_hwio", w_hwio, "hwio_to_torch_weight").transpose(3, 2, 0, 1)
 
 
 def torch_transpose_weight_to_hwio(w_iohw: Any) -> Any:
     """``ConvTranspose2d.weight`` ``[Cin, Cout, kh, kw]`` -> the HWIO kernel of the *forward* correlation with
     stride 1 whose input gradient that transposed conv computes: flipped in space (see the module docstring)."""
-    w = _as_4d("w_iohw", w_iohw).transpose(2, 3, 0, 1)  # [kh, kw, Cin_t, Cout_t]
+    w = _as_4d("w_iohw", w_iohw, "torch_transpose_weight_to_hwio").transpose(2, 3, 0, 1)  # [kh, kw, Cin_t, Cout_t]
     return flip_kernel(w)
 
 
 def flip_kernel(w_hwio: Any) -> Any:
     """Rotate a kernel by 180 degrees in space (``w[::-1, ::-1]``): converts convolution <-> cross-correlation."""
-    return _as_4d("w_hwio", w_hwio)[::-1, ::-1]
+    return _as_4d("w_hwio", w_hwio, "flip_kernel")[::-1, ::-1]
 
 
 def nchw_to_nhwc(x: Any) -> Any:
     """PyTorch activations ``[N, C, H, W]`` -> ``[N, H, W, C]``."""
-    return _as_4d("x", x).transpose(0, 2, 3, 1)
+    return _as_4d("x", x, "nchw_to_nhwc").transpose(0, 2, 3, 1)
 
 
 def nhwc_to_nchw(x: Any) -> Any:
     """``[N, H, W, C]`` -> PyTorch ``[N, C, H, W]``."""
-    return _as_4d("x", x).transpose(0, 3, 1, 2)
+    return _as_4d("x", x, "nhwc_to_nchw").transpose(0, 3, 1, 2)
 
 
 def from_torch_state_dict(state_dict: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
@@ -87,17 +87,24 @@ def from_torch_state_dict(state_dict: Mapping[str, Any]) -> list[dict[str, np.nd
     ``*.bias`` if present. Works for ``nn.Sequential(Conv2d, ReLU, ...)`` and for modules with named convs.
     Values may be torch tensors (``.detach().cpu().numpy()`` is applied) or arrays.
     """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"from_torch_state_dict: 'state_dict' must be a mapping {{name: tensor}} (model.state_dict()), "
+                        f"got {type(state_dict).__name__}")
     layers = []
     for key, value in state_dict.items():
-        if not key.endswith("weight"):
+        if not isinstance(key, str) or not key.endswith("weight"):
             continue
         value = _to_numpy(value)
         if value.ndim != 4:
             continue
         prefix = key[: -len("weight")]
         bias = state_dict.get(prefix + "bias")
-        layers.append({"w": np.ascontiguousarray(torch_weight_to_hwio(value)),
-                       "b": None if bias is None else np.asarray(_to_numpy(bias))})
+        if bias is not None:
+            bias = np.asarray(_to_numpy(bias))
+            if bias.shape != (value.shape[0],):
+                raise ValueError(f"from_torch_state_dict: '{prefix}bias' has shape {bias.shape}, but '{key}' "
+                                 f"{value.shape} (OIHW) has Cout={value.shape[0]}")
+        layers.append({"w": np.ascontiguousarray(torch_weight_to_hwio(value)), "b": bias})
     if not layers:
         raise ValueError("from_torch_state_dict: state_dict has no 4-D '*.weight' entries (no Conv2d layers)")
     return layers
@@ -107,6 +114,9 @@ def to_torch_state_dict(layers: Any, names: list[str] | None = None) -> dict[str
     """jaxgrad conv layers -> a state dict of NumPy arrays (OIHW). ``names`` default to ``nn.Sequential``'s
     ``0, 2, 4, ...`` (a conv every other module, ReLUs between). Load with
     ``model.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})``."""
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(la, Mapping) and "w" in la for la in layers):
+        raise TypeError("to_torch_state_dict: 'layers' must be a list of {'w': HWIO, 'b': [Cout] or None} dicts, got "
+                        f"{type(layers).__name__}")
     names = names or [str(2 * i) for i in range(len(layers))]
     if len(names) != len(layers):
         raise ValueError(f"to_torch_state_dict: {len(layers)} layers but {len(names)} names")
