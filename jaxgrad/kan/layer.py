@@ -54,6 +54,10 @@ class KANConfig:
     bias: bool = False
 
     def __post_init__(self):
+        for name in ("in_features", "out_features", "grid_size", "spline_order"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"KANConfig: {name} must be an int, got {type(value).__name__} {value!r}")
         for name in ("in_features", "out_features"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"KANConfig: {name} must be >= 1, got {getattr(self, name)}")
@@ -61,11 +65,67 @@ class KANConfig:
             raise ValueError(f"KANConfig: grid_size must be >= 1, got {self.grid_size}")
         if not 1 <= int(self.spline_order) <= 5:
             raise ValueError(f"KANConfig: spline_order must be in 1..5, got {self.spline_order}")
-        lo, hi = self.grid_range
-        if not float(lo) < float(hi):
-            raise ValueError(f"KANConfig: grid_range must satisfy lo < hi, got {tuple(self.grid_range)}")
+        gr = self.grid_range
+        if (isinstance(gr, (str, bytes)) or not hasattr(gr, "__len__") or len(gr) != 2
+                or not all(_is_real(v) for v in gr)):
+            raise ValueError(f"KANConfig: grid_range must be a pair of numbers (lo, hi), got {gr!r}")
+        lo, hi = (float(v) for v in gr)
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"KANConfig: grid_range must satisfy lo < hi (finite), got {tuple(gr)}")
+        object.__setattr__(self, "grid_range", (lo, hi))  # a tuple: the config is a static (hashed) jit argument
+        for name in ("scale_noise", "scale_base", "scale_spline", "grid_eps"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(float(value)):
+                raise ValueError(f"KANConfig: {name} must be a finite number, got {value!r}")
         if not 0.0 <= float(self.grid_eps) <= 1.0:
             raise ValueError(f"KANConfig: grid_eps must be in [0, 1], got {self.grid_eps}")
+        if not isinstance(self.bias, (bool, np.bool_)):
+            raise TypeError(f"KANConfig: bias must be True or False, got {self.bias!r}")
+
+
+def _is_real(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+def check_key(key, where: str) -> None:
+    """``key`` must be a JAX PRNG key: ``jax.random.key(seed)`` or the legacy ``jax.random.PRNGKey(seed)``."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                              or (dtype == np.uint32 and getattr(key, "shape", ())[-1:] in ((2,), (4,)))):
+        return
+    what = f"an array of {dtype} {tuple(key.shape)}" if dtype is not None and hasattr(key, "shape") else \
+        f"{type(key).__name__} {key!r}"
+    raise TypeError(f"{where}: 'key' must be a JAX PRNG key (jax.random.key(seed)), got {what}")
+
+
+def check_float_dtype(dtype, where: str = "KAN init") -> None:
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise TypeError(f"{where}: 'dtype' must be a floating dtype (float32, float64, bfloat16), got {dtype!r}")
+
+
+def check_precision(precision, where: str) -> None:
+    """``precision`` must be what ``lax`` accepts: ``None``, a ``jax.lax.Precision``, one of its names (``"highest"``,
+    ``"float32"``, ``"high"``, ``"default"``, ...) or a pair of them."""
+    def ok(p):
+        if p is None or isinstance(p, jax.lax.Precision):
+            return True
+        if isinstance(p, str):
+            try:
+                jax.lax.Precision(p)
+                return True
+            except ValueError:
+                return False
+        return False
+
+    pair = isinstance(precision, (tuple, list)) and len(precision) == 2 and all(ok(p) for p in precision)
+    if not (ok(precision) or pair or isinstance(precision, getattr(jax.lax, "DotAlgorithmPreset", ()))):
+        raise ValueError(f"{where}: 'precision' must be None, a jax.lax.Precision, one of 'default', 'high', "
+                         f"'highest' (or 'bfloat16', 'tensorfloat32', 'float32', ...) or a pair of them, got "
+                         f"{precision!r}")
 
 
 def _kaiming_uniform(key, shape, fan_in, a, dtype):
@@ -87,12 +147,8 @@ def init(key: jax.Array, cfg: KANConfig, dtype=jnp.float32) -> dict[str, jax.Arr
                     f"for a network kan_init(key, [{cfg}, {dtype!r}])" if isinstance(dtype, (int, np.integer))
                     else f"; e.g. init(key, KANConfig(in_features={cfg}, out_features=...))")
         raise TypeError(f"KAN init: 'cfg' must be a KANConfig, got {type(cfg).__name__} {cfg!r}{hint}")
-    try:
-        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        floating = False
-    if not floating:
-        raise TypeError(f"KAN init: 'dtype' must be a floating dtype (float32, float64, bfloat16), got {dtype!r}")
+    check_key(key, "KAN init")
+    check_float_dtype(dtype)
     k_base, k_noise, k_scaler = jax.random.split(key, 3)
     G, k = cfg.grid_size, cfg.spline_order
     grid = make_grid(cfg.in_features, G, k, cfg.grid_range, dtype)
@@ -149,6 +205,12 @@ def check_params(params: dict[str, jax.Array], x: jax.Array | None = None, *, sp
     for name in ("base_weight", "spline_weight", "spline_scaler", "grid"):
         if name not in params:
             raise KeyError(f"KAN params: missing '{name}' (have {sorted(params)})")
+    if len(getattr(params["base_weight"], "shape", ())) != 2:
+        raise ValueError(f"KAN params: 'base_weight' must have shape [out, in], got "
+                         f"{tuple(getattr(params['base_weight'], 'shape', ()))}")
+    if len(getattr(params["spline_weight"], "shape", ())) != 3:
+        raise ValueError(f"KAN params: 'spline_weight' must have shape [out, in, G+k], got "
+                         f"{tuple(getattr(params['spline_weight'], 'shape', ()))}")
     out_f, in_f = params["base_weight"].shape
     nb = params["spline_weight"].shape[-1]
     expect = {"spline_weight": (out_f, in_f, nb), "spline_scaler": (out_f, in_f)}
@@ -384,6 +446,7 @@ def kan_linear(params: Mapping[str, jax.Array], x: jax.Array, *, backend: str = 
     the grid is concrete (not under ``jit``).
     """
     k = _validate(params, x, backend, spline_order)
+    check_precision(precision, "kan_linear")
     p = {name: params[name] for name in ("base_weight", "spline_weight", "spline_scaler", "bias") if name in params}
     # not trained, to every order: the backward's own use of the knots must not leak a second-order grid gradient
     p["grid"] = jax.lax.stop_gradient(params["grid"])

@@ -15,13 +15,14 @@ transformation including ``jax.jacfwd``; ``"pallas"``: first-order reverse mode)
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxgrad.kan.layer import KANConfig, init, kan_linear, kan_linear_reference
+from jaxgrad.kan.layer import KANConfig, check_float_dtype, check_key, init, kan_linear, kan_linear_reference
 from jaxgrad.kan.layer import trainable_mask as _layer_mask
 
 __all__ = ["kan_apply", "kan_apply_reference", "kan_init", "kan_widths", "trainable_mask"]
@@ -53,6 +54,12 @@ def kan_init(key: jax.Array, widths: Sequence[int], *, dtype=jnp.float32, **laye
     bad = {"in_features", "out_features"} & set(layer_cfg)
     if bad:
         raise TypeError(f"kan_init: {sorted(bad)} come from 'widths', do not pass them")
+    fields = [f.name for f in dataclasses.fields(KANConfig) if f.name not in ("in_features", "out_features")]
+    unknown = sorted(set(layer_cfg) - set(fields))
+    if unknown:
+        raise TypeError(f"kan_init: unknown layer setting {unknown[0]!r} (the KANConfig fields are {fields})")
+    check_key(key, "kan_init")
+    check_float_dtype(dtype, "kan_init")
     cfgs = [KANConfig(a, b, **layer_cfg) for a, b in zip(widths[:-1], widths[1:])]
     keys = jax.random.split(key, len(cfgs))
     return [_init_jit(k, cfg, dtype) for k, cfg in zip(keys, cfgs)]
