@@ -60,6 +60,7 @@ __all__ = [
     "NF4Weight",
     "nf4_quantize",
     "nf4_dequantize",
+    "check_nf4_weight",
     "nf4_absmax",
     "nf4_indices",
     "create_dynamic_map",
@@ -400,9 +401,55 @@ def nf4_dequantize(w: NF4Weight, dtype: Any = jnp.float32) -> jax.Array:
     same round-to-nearest cast). Jit-able (``w``'s shape, blocksize and dtype are static); called outside a
     trace it runs as one compiled computation per (shape, blocksize, dtype).
     """
+    check_nf4_weight(w)
+    try:
+        target = jnp.dtype(dtype)
+    except TypeError:
+        target = None
+    if target is None or not jnp.issubdtype(target, jnp.floating):
+        raise TypeError(f"nf4_dequantize: 'dtype' must be a floating dtype (float32, bfloat16, float16, float64), got "
+                        f"{dtype!r}")
+    return _dequantize_jit(w, target)
+
+
+def check_nf4_weight(w: Any, name: str = "w", where: str = "nf4_dequantize") -> None:
+    """``w`` must be an :class:`NF4Weight` whose leaves fit its static fields (``packed`` ``[ceil(n/2)]`` uint8,
+    ``absmax`` ``[n_blocks]``, ``absmax2`` / ``offset`` for a double-quantised one): a leaf of another length would
+    otherwise be broadcast or cut without a word. Shape checks only, so it works under ``jit``."""
     if not isinstance(w, NF4Weight):
-        raise TypeError(f"w must be an NF4Weight, got {type(w).__name__}")
-    return _dequantize_jit(w, jnp.dtype(dtype))
+        raise TypeError(f"{where}: '{name}' must be an NF4Weight (jaxgrad.lora.nf4.nf4_quantize), got "
+                        f"{type(w).__name__}")
+    shape = w.shape
+    if (not isinstance(shape, tuple) or len(shape) != 2
+            or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise ValueError(f"NF4Weight '{name}': shape must be (out, in) with positive ints, got {shape!r}")
+    _check_blocksize(w.blocksize, f"NF4Weight '{name}': blocksize")
+    try:
+        float_dtype = jnp.issubdtype(jnp.dtype(w.dtype), jnp.floating)
+    except TypeError:
+        float_dtype = False
+    if not float_dtype:
+        raise ValueError(f"NF4Weight '{name}': dtype must name the original floating dtype, got {w.dtype!r}")
+
+    def expect(leaf, field, want_shape, kind):
+        got = tuple(np.shape(leaf)) if leaf is not None else None
+        ok_dtype = leaf is not None and (jnp.issubdtype(leaf.dtype, jnp.floating) if kind == "float"
+                                         else np.dtype(leaf.dtype) == np.uint8)
+        if got != want_shape or not ok_dtype:
+            found = "None" if leaf is None else f"{np.dtype(leaf.dtype).name} {got}"
+            raise ValueError(f"NF4Weight '{name}' {shape} (blocksize {w.blocksize}): '{field}' must be "
+                             f"{'floating' if kind == 'float' else 'uint8'} {want_shape}, got {found}")
+
+    expect(w.packed, "packed", (-(-w.size // 2),), "uint8")
+    if w.absmax2 is None:
+        expect(w.absmax, "absmax", (w.n_blocks,), "float")
+        if w.offset is not None:
+            raise ValueError(f"NF4Weight '{name}': 'offset' is set but 'absmax2' is None (double quantisation needs "
+                             f"both)")
+    else:
+        expect(w.absmax, "absmax", (w.n_blocks,), "uint8")
+        expect(w.absmax2, "absmax2", (-(-w.n_blocks // DOUBLE_QUANT_BLOCKSIZE),), "float")
+        expect(w.offset, "offset", (), "float")
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
