@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxgrad.verify import precision as prec
 from jaxgrad.verify.program_precision import coarser, program_precisions
-from jaxgrad.verify import timing
+from jaxgrad.verify import cost
 from jaxgrad.verify.diagnose import diagnose
 from jaxgrad.verify.hypothesis import candidate_precisions, float64_oracle, sample_rounding
 from jaxgrad.verify.magnitude import magnitudes
@@ -282,10 +282,10 @@ def _directional_fd(loss, args64, leaf_index, v, steps):
 # check_vjp
 # ---------------------------------------------------------------------------------------------------------------
 def _timed(check):
-    """``check``'s report with ``timings``: wall seconds per stage (:mod:`jaxgrad.verify.timing`) and the total."""
+    """``check``'s report with ``timings``: wall seconds per stage (:mod:`jaxgrad.verify.cost`) and the total."""
     @functools.wraps(check)
     def wrapper(*args, **kwargs):
-        with timing.recording() as times:
+        with cost.recording() as times:
             t0 = time.perf_counter()
             report = check(*args, **kwargs)
             times["total"] = time.perf_counter() - t0
@@ -357,12 +357,12 @@ def check_vjp(
             np.shape(c) != o.shape for c, o in zip(jax.tree.leaves(cotangent), jax.tree.leaves(out))):
         raise ValueError("check_vjp: 'cotangent' must have fn's output structure and shapes "
                          f"({jax.tree.map(lambda o: o.shape, out)})")
-    timing.lap("setup")
+    cost.lap("setup")
 
     # 2. fn as called (and the matmul precision it ran under, before the verifier forces HIGHEST below)
     out_lo, grads_lo, pullback_lo = _vjp(fn, "fn", args, cotangent)
     jax.block_until_ready((out_lo, grads_lo))
-    timing.lap("as called")
+    cost.lap("as called")
     platform = prec.platform_precision()
     checks: list[Check] = []
     notes: list[str] = []
@@ -387,7 +387,7 @@ def check_vjp(
         n_y, n_g = mags.terms[:n_out], mags.terms[n_out:]
         if mags.approximated:
             notes.append("sum|terms| is approximate through: " + ", ".join(mags.approximated))
-    timing.lap("magnitudes")
+    cost.lap("magnitudes")
 
     # precision of the as-called run: test each hypothesis, finest first (hypothesis.py); never the looser one to
     # explain a mismatch
@@ -572,7 +572,7 @@ def check_vjp(
                     if not lf.passed and not lf.undetermined and (lq.passed or lq.undetermined) else lf
                     for lf, lq in zip(leaves_out, leaves_q)]
 
-        timing.lap("precision and statistics")
+        cost.lap("precision and statistics")
         # 3. float64 re-run
         # Run at a point whose values fill all 53 bits: bf16/f32-representable inputs make the products of a
         # low-precision kernel exact, which would pass its forward off as float64 while its backward is not.
@@ -604,7 +604,7 @@ def check_vjp(
             for i, nm in enumerate(names):
                 leaves_out.append(_leaf_result(nm, "f64", grads64[i], ref_g_e[i], m_g[i], model64, n_g[i]))
 
-        timing.lap("float64 re-run")
+        cost.lap("float64 re-run")
         # The float64 checks below run where the tested gradients were computed: the low-bit-filled point for the
         # float64 re-run, the caller's point for the as-called run.
         pt_args, pt_ct, pt_ref_g = (args64e, ct64e, ref_g_e) if fn64_ok else (args64, ct64, ref_g)
@@ -645,7 +645,7 @@ def check_vjp(
                     notes.append(f"{nm}: the reference's own VJP disagrees with finite differences ({worst_ref:.1e});"
                                  " the reference may be wrong (stop_gradient? custom rule?)")
 
-        timing.lap("finite differences")
+        cost.lap("finite differences")
         # 4b. adjoint (dot-product) test
         if adjoint:
             t = _white_noise_like(pt_args, rng_adj, jnp.float64)
@@ -666,15 +666,15 @@ def check_vjp(
                                 f"{'f64' if fn64_ok else model_lo.precision} VJP of fn against {jvp_src}: "
                                 f"{err:.1e}*sum|terms| (tol {tol:.0e})"))
 
-    timing.lap("adjoint")
+    cost.lap("adjoint")
     # 5. structural checks (as called)
     if structural:
         checks.extend(_structural_checks(pullback_lo, cotangent, grads_lo, args, names, model_lo, n_g, m_g))
-    timing.lap("structural")
+    cost.lap("structural")
 
     # coverage notes
     notes.extend(_coverage_notes(names, arg_leaves))
-    timing.lap("notes")
+    cost.lap("notes")
     return VJPReport(name=label, passed=all(lf.passed for lf in leaves_out) and all(c.passed for c in checks),
                      leaves=leaves_out, checks=checks, precision=model_lo, float64_status=f64_reason,
                      notes=notes, environment=environment(), seed=seed, program_precision=program_lines)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.verify import timing
+from jaxgrad.verify import cost
 from jaxgrad.verify.emulate import at_precision, perturb
 from jaxgrad.verify.precision import UNIT_ROUNDOFF, dtype_precision
 
@@ -86,12 +86,12 @@ def sample_rounding(fwd_and_vjp: Callable[..., Any], args: tuple, ct: Any, preci
     # The emulated runs see exactly the caller's dtypes: x64 off unless the caller passed float64 (in x64 mode a
     # dtype-less jnp.zeros inside the reference would be float64 and promote the whole computation).
     any64 = any(jnp.result_type(x) == jnp.float64 for x in jax.tree.leaves((args, ct)))
-    with jax.enable_x64(any64), timing.stage("replicas"):
+    with jax.enable_x64(any64), cost.stage("replicas"):
         emulated, loops = at_precision(fwd_and_vjp, precision, args, ct, reorder=True)
         points = [(perturb(args, precision, rng), perturb(ct, precision, rng)) for _ in range(replicas)]
         seeds = rng.integers(0, 2**31 - 1, size=replicas)
         low = [[np.asarray(v, np.float64) for v in emulated(np.int32(s), a, c)] for s, (a, c) in zip(seeds, points)]
-    with timing.stage("replicas' float64 oracle"):
+    with cost.stage("replicas' float64 oracle"):
         high = [oracle(a, c) for a, c in points]
     errors = [np.stack([lo[j] - hi[j] for lo, hi in zip(low, high)]) for j in range(len(low[0]))]
     return RoundingSamples(precision, errors, loops)

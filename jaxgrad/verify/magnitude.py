@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxgrad.verify import timing
+from jaxgrad.verify import cost
 from jaxgrad.verify.interpreted import (_CALLS, _DATA_MOVEMENT, _ELEMENTWISE_SELECT, _MULTILINEAR, _NEGATING,
                                         _PRODUCTS, _REDUCE_SELECT, _State, _bind_nonneg, _broadcasts_to,
                                         _contraction_size, _zeros_like_kink, is_float)
@@ -234,7 +234,7 @@ def magnitudes(fn: Callable[..., Any], *args: Any, kink_bound: Callable[[int], f
     Returns:
       A :class:`MagnitudeResult` over the flattened outputs.
     """
-    with timing.stage("magnitudes" if kink_bound is None else "kink magnitudes"):
+    with cost.stage("magnitudes" if kink_bound is None else "kink magnitudes"):
         return _magnitudes(fn, args, kink_bound)
 
 
