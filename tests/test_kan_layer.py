@@ -354,7 +354,8 @@ def test_grid_range_lo_not_below_hi_is_named(grid_range):
 def test_init_takes_a_config_and_says_so_when_given_widths():
     from jaxgrad import kan
 
-    with pytest.raises(TypeError, match=r"'cfg' must be a KANConfig, got int 4.*KANConfig\(4, 3\).*kan_init\(key, \[4, 3\]\)"):
+    with pytest.raises(TypeError,
+                       match=r"'cfg' must be a KANConfig, got int 4.*KANConfig\(4, 3\).*kan_init\(key, \[4, 3\]\)"):
         kan.init(jax.random.key(0), 4, 3)
     with pytest.raises(TypeError, match="'cfg' must be a KANConfig, got dict"):
         kan.init(jax.random.key(0), {"in_features": 4, "out_features": 3})

@@ -738,7 +738,8 @@ def test_corrupt_hf_checkpoint_files_are_named(base_copy, tmp_path):
     index = json.loads((d / "model.safetensors.index.json").read_text())
     name = next(iter(index["weight_map"]))
     for value in (5, ["a"]):
-        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**index["weight_map"], name: value}}))
+        bad = {"weight_map": {**index["weight_map"], name: value}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match=f"'weight_map' entry '{name}' is .*; expected a shard file name"):
             load_hf_checkpoint(d)
     (d / "model.safetensors.index.json").write_bytes(b"\xff")
@@ -752,7 +753,8 @@ def test_save_hf_checkpoint_refuses_an_existing_one_and_overwrite_replaces_eithe
     d = save_hf_checkpoint(tmp_path / "m", cfg, first)
     (d / "README.md").write_text("model card")
     before = _snapshot(tmp_path)
-    with pytest.raises(FileExistsError, match=r"'.*/m' already holds a checkpoint \(config\.json, model\.safetensors\)"):
+    with pytest.raises(FileExistsError,
+                       match=r"'.*/m' already holds a checkpoint \(config\.json, model\.safetensors\)"):
         save_hf_checkpoint(d, cfg, second, max_shard_size=3000)
     with pytest.raises(ValueError, match="max_shard_size"):
         save_hf_checkpoint(tmp_path / "n", cfg, second, max_shard_size=0)
