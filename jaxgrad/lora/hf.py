@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -50,7 +49,7 @@ import numpy as np
 
 from jaxgrad.lora.config import LlamaConfig
 from jaxgrad.lora.nf4 import NF4Weight, nf4_dequantize, nf4_quantize
-from jaxgrad.lora.peft import MODULE_GROUPS
+from jaxgrad.lora.peft import MODULE_GROUPS, _check_output_directory, _replacing
 
 __all__ = [
     "CONFIG_NAME",
@@ -391,10 +390,9 @@ def save_hf_checkpoint(
     """
     from safetensors.numpy import save_file
 
-    from jaxgrad.lora.peft import _check_output_directory, _replacing
-
-    if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int)
-                                       or max_shard_size <= 0):
+    if max_shard_size is not None and (isinstance(max_shard_size, bool)
+                                       or not isinstance(max_shard_size, (int, float, np.integer, np.floating))
+                                       or not max_shard_size > 0):
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     if not isinstance(config, LlamaConfig):
         raise TypeError(f"save_hf_checkpoint: 'config' must be a LlamaConfig, got {type(config).__name__}")
