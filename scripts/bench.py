@@ -534,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "ones the README's tables are made from)")
     p.add_argument("--repeats", type=_int_at_least(1), default=20,
                    help="timed calls per variant (default: %(default)s)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed calls per variant (default: %(default)s)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=3,
+                   help="untimed calls per variant (default: %(default)s)")
     p.add_argument("--precision", choices=["default", "highest"], default="default",
                    help="jax default matmul precision for the whole run (default: %(default)s)")
     p.add_argument("--variants", default=None,
