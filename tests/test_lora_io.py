@@ -771,16 +771,18 @@ def test_save_hf_checkpoint_refuses_an_existing_one_and_overwrite_replaces_eithe
         save_hf_checkpoint(tmp_path / "file", cfg, first, overwrite=True)
 
 
-@pytest.mark.xfail(strict=True, reason="jaxgrad/lora/task.py (cli_task's finish) must pass overwrite=True to "
-                   "save_adapter / save_hf_checkpoint: out/adapter and out/model belong to the run (--overwrite "
-                   "clears them), so --resume of a finished run must rewrite them, not stop on FileExistsError")
-def test_resuming_a_finished_lora_run_rewrites_the_runs_own_adapter(tmp_path, capsys):
+@pytest.mark.parametrize("mode, output", [("lora", "adapter"), ("full", "model")])
+def test_resuming_a_finished_lora_run_rewrites_the_runs_own_adapter(mode, output, tmp_path, capsys):
+    """out/adapter (LoRA modes) and out/model (mode 'full') belong to the run: --resume rewrites them."""
     from jaxgrad.cli import main
 
     text = tmp_path / "text.txt"
     text.write_text("jaxgrad " * 600)
-    run = ["train", "lora", "--set", "model.mode='lora'", "--set", "train.steps=2", "--set", f"data.files='{text}'",
-           "--set", "data.n_bytes=4096", "--no-progress", "--out", str(tmp_path / "run")]
+    run = ["train", "lora", "--set", f"model.mode='{mode}'", "--set", "train.steps=2", "--set",
+           f"data.files='{text}'", "--set", "data.n_bytes=4096", "--no-progress", "--out", str(tmp_path / "run")]
     assert main(run) == 0
+    first = {p.name: p.read_bytes() for p in (tmp_path / "run" / output).iterdir()}
     assert main([*run, "--resume", "--set", "train.steps=3"]) == 0
     assert json.loads((tmp_path / "run/summary.json").read_text())["step"] == 3
+    second = {p.name: p.read_bytes() for p in (tmp_path / "run" / output).iterdir()}
+    assert second.keys() == first.keys() and second != first  # the weights of step 3, not those of step 2

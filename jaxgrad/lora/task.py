@@ -371,12 +371,14 @@ def cli_task(cfg: dict, out, say):
         if fit.mode == "full":
             from jaxgrad.lora.hf import save_hf_checkpoint
 
-            path = save_hf_checkpoint(pathlib.Path(out) / "model", fit.llama_config(), params)
+            # out/model belongs to the run (--overwrite clears it): a resumed run rewrites it
+            path = save_hf_checkpoint(pathlib.Path(out) / "model", fit.llama_config(), params, overwrite=True)
             return {"eval": result.eval, "model": str(path)}
         from jaxgrad.lora.peft import save_adapter
 
+        # out/adapter belongs to the run (--overwrite clears it): a resumed run rewrites it
         path = save_adapter(pathlib.Path(out) / "adapter", params["lora"], fit.lora_config(),
-                            base_model_name_or_path=fit.base)
+                            base_model_name_or_path=fit.base, overwrite=True)
         return {"eval": result.eval, "adapter": str(path)}
 
     return task, finish
