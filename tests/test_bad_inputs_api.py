@@ -207,20 +207,22 @@ def test_kan_linear_bad_options_are_named(kwargs, names):
     (lambda s, g: s.bspline_basis_derivative(jnp.zeros((4, 2)), g, 0), "'spline_order'"),
     (lambda s, g: s.make_grid(2, 0, 3), "grid_size must be >= 1"),
     (lambda s, g: s.make_grid(2, 5, 3, (1.0, -1.0)), "grid_range must satisfy lo < hi"),
-    pytest.param(lambda s, g: s.bspline_basis(jnp.zeros((4, 3)), g, 3), "'x'|'grid'", marks=xfail(
-        "jaxgrad/kan/spline.py: bspline_basis does not check that x's last axis matches the grid's rows "
-        "(raw JAX 'Incompatible shapes for broadcasting')")),
-    pytest.param(lambda s, g: s.make_grid(2, 5, 3, 1.0), "grid_range", marks=xfail(
-        "jaxgrad/kan/spline.py: make_grid indexes grid_range without checking it is a pair "
-        "(raw TypeError: 'float' object is not subscriptable)")),
-    pytest.param(lambda s, g: s.make_grid(2.5, 5, 3), "in_features", marks=xfail(
-        "jaxgrad/kan/spline.py: make_grid does not check in_features is an int (raw JAX shape error)")),
-    pytest.param(lambda s, g: s.make_grid(0, 5, 3), "in_features", marks=xfail(
-        "jaxgrad/kan/spline.py: make_grid(0, ...) returns an empty grid instead of refusing in_features=0")),
-    pytest.param(lambda s, g: s.curve_to_coefficients(jnp.zeros((6, 2)), jnp.zeros((6, 3, 1)), g, 3),
-                 "'y'|'x'|'grid'", marks=xfail(
-                     "jaxgrad/kan/spline.py: curve_to_coefficients does not check x/y/grid shapes agree (raw vmap "
-                     "'inconsistent sizes' error)")),
+    (lambda s, g: s.bspline_basis(jnp.zeros((4, 3)), g, 3), r"'x' must have shape \[\.\.\., in\] with in = 2"),
+    (lambda s, g: s.bspline_basis_derivative(jnp.zeros(()), g, 3), r"'x' must have shape \[\.\.\., in\]"),
+    (lambda s, g: s.make_grid(2, 5, 3, 1.0), "grid_range must be a pair of numbers"),
+    (lambda s, g: s.make_grid(2, 5, 3, (-1.0, float("inf"))), "grid_range must satisfy lo < hi"),
+    (lambda s, g: s.make_grid(2.5, 5, 3), "in_features must be an int"),
+    (lambda s, g: s.make_grid(True, 5, 3), "in_features must be an int"),
+    (lambda s, g: s.make_grid(0, 5, 3), "in_features must be >= 1"),
+    (lambda s, g: s.make_grid(2, 2.5, 3), "grid_size must be an int"),
+    (lambda s, g: s.curve_to_coefficients(jnp.zeros((6, 2)), jnp.zeros((6, 3, 1)), g, 3),
+     r"'y' must have shape \[n, in, out\] = \[6, 2, out\]"),
+    (lambda s, g: s.curve_to_coefficients(jnp.zeros((6, 3)), jnp.zeros((6, 3, 1)), g, 3),
+     r"'x' must have shape \[\.\.\., in\] with in = 2"),
+    (lambda s, g: s.curve_to_coefficients(jnp.zeros(6), jnp.zeros((6, 2, 1)), g, 3), r"'x' must have shape \[n, in\]"),
+    (lambda s, g: s.curve_to_coefficients(jnp.zeros((6, 2)), jnp.zeros((6, 2, 1), jnp.int32), g, 3),
+     "'y' must be a floating-point array"),
+    (lambda s, g: s.curve_to_coefficients(jnp.zeros((6, 2)), jnp.zeros((6, 2, 1)), g, 3, ridge=-1.0), "'ridge'"),
 ]))
 def test_bspline_helpers(call, names):
     from jaxgrad.kan import spline

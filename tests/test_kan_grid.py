@@ -242,3 +242,16 @@ def test_efficient_kan_regularization_loss():
     np.testing.assert_allclose(regularization_loss([p, p], 0.7, 0.3), 2 * want, rtol=1e-12)
     z = dict(p, spline_weight=jnp.zeros_like(p["spline_weight"]))
     assert float(regularization_loss(z)) == 0.0
+
+
+def test_spline_shape_checks_fire_at_trace_time_under_jit():
+    """Shapes that do not agree are refused while tracing, so a jit'd caller gets the same named error."""
+    from jaxgrad.kan.spline import make_grid
+
+    grid = make_grid(2, 5, 3)
+    with pytest.raises(ValueError, match=r"bspline_basis: 'x' must have shape \[\.\.\., in\] with in = 2"):
+        jax.jit(bspline_basis, static_argnums=2)(jnp.zeros((4, 3)), grid, 3)
+    with pytest.raises(ValueError, match=r"curve_to_coefficients: 'y' must have shape \[n, in, out\]"):
+        jax.jit(curve_to_coefficients, static_argnums=3)(jnp.zeros((6, 2)), jnp.zeros((6, 3, 1)), grid, 3)
+    coef = jax.jit(curve_to_coefficients, static_argnums=3)(jnp.zeros((6, 2)), jnp.zeros((6, 2, 4)), grid, 3)
+    assert coef.shape == (4, 2, 8)

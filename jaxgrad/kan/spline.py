@@ -34,16 +34,36 @@ import numpy as np
 __all__ = ["bspline_basis", "bspline_basis_and_derivative", "bspline_basis_derivative", "curve_to_coefficients", "make_grid", "spline_order_of"]
 
 
+def _is_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _is_real(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
 def make_grid(in_features: int, grid_size: int, spline_order: int, grid_range=(-1.0, 1.0),
               dtype=jnp.float32) -> jax.Array:
-    """Uniform extended grid ``[in_features, grid_size + 2*spline_order + 1]`` (efficient-kan's ``grid`` buffer)."""
+    """Uniform extended grid ``[in_features, grid_size + 2*spline_order + 1]`` (efficient-kan's ``grid`` buffer).
+
+    ``in_features`` and ``grid_size`` must be ints >= 1, ``spline_order`` an int in 1..5 and ``grid_range`` a pair
+    of finite numbers ``(lo, hi)`` with ``lo < hi``; anything else raises, naming the argument."""
+    for name, value in (("in_features", in_features), ("grid_size", grid_size), ("spline_order", spline_order)):
+        if not _is_int(value):
+            raise TypeError(f"make_grid: {name} must be an int, got {type(value).__name__} {value!r}")
+    if in_features < 1:
+        raise ValueError(f"make_grid: in_features must be >= 1 (one knot row per input feature), got {in_features}")
+    if (isinstance(grid_range, (str, bytes)) or not hasattr(grid_range, "__len__") or len(grid_range) != 2
+            or not all(_is_real(v) for v in grid_range)):
+        raise ValueError(f"make_grid: grid_range must be a pair of numbers (lo, hi), got {grid_range!r}")
     lo, hi = float(grid_range[0]), float(grid_range[1])
-    if not lo < hi:
-        raise ValueError(f"grid_range must satisfy lo < hi, got {tuple(grid_range)}")
-    if int(grid_size) < 1:
-        raise ValueError(f"grid_size must be >= 1, got {grid_size}")
-    if not 1 <= int(spline_order) <= 5:
-        raise ValueError(f"spline_order must be in 1..5, got {spline_order}")
+    if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
+        raise ValueError(f"make_grid: grid_range must satisfy lo < hi (finite), got {tuple(grid_range)}")
+    if grid_size < 1:
+        raise ValueError(f"make_grid: grid_size must be >= 1, got {grid_size}")
+    if not 1 <= spline_order <= 5:
+        raise ValueError(f"make_grid: spline_order must be in 1..5, got {spline_order}")
+    in_features, grid_size, spline_order = int(in_features), int(grid_size), int(spline_order)
     h = (hi - lo) / grid_size
     knots = lo + jnp.arange(-spline_order, grid_size + spline_order + 1, dtype=dtype) * jnp.asarray(h, dtype)
     return jnp.broadcast_to(knots, (in_features, knots.shape[0]))
@@ -96,6 +116,9 @@ def _check_basis_args(fn: str, x, grid, spline_order, lowest: int) -> int:
     if getattr(grid, "ndim", None) != 2 or grid.shape[-1] < spline_order + 2:
         raise ValueError(f"{fn}: 'grid' must have shape [in, G+2k+1] with at least k+2 = {spline_order + 2} knots "
                          f"per row, got {getattr(grid, 'shape', type(grid).__name__)}")
+    if x.ndim < 1 or x.shape[-1] != grid.shape[0]:
+        raise ValueError(f"{fn}: 'x' must have shape [..., in] with in = {grid.shape[0]} (one input per row of "
+                         f"'grid' {tuple(grid.shape)}), got {tuple(x.shape)}")
     return int(spline_order)
 
 
@@ -138,9 +161,22 @@ def curve_to_coefficients(x: jax.Array, y: jax.Array, grid: jax.Array, spline_or
       x: ``[n, in]`` samples.
       y: ``[n, in, out]`` curve values.
       grid: ``[in, G+2k+1]``.
+      ridge: a number >= 0 (0: plain least squares).
     Returns:
       ``[out, in, G+k]`` coefficients (efficient-kan's ``spline_weight`` layout).
+
+    Shapes that do not agree raise at trace time (so also under ``jit``), naming the argument.
     """
+    fn = "curve_to_coefficients"
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"{fn}: 'x' must have shape [n, in], got {getattr(x, 'shape', type(x).__name__)}")
+    if getattr(y, "ndim", None) != 3 or tuple(y.shape[:2]) != tuple(x.shape):
+        raise ValueError(f"{fn}: 'y' must have shape [n, in, out] = [{x.shape[0]}, {x.shape[1]}, out] (the samples "
+                         f"of 'x' {tuple(x.shape)}), got {getattr(y, 'shape', type(y).__name__)}")
+    if not hasattr(y, "dtype") or not jnp.issubdtype(y.dtype, jnp.floating):
+        raise TypeError(f"{fn}: 'y' must be a floating-point array, got {getattr(y, 'dtype', type(y).__name__)}")
+    if not (_is_real(ridge) and np.isfinite(ridge) and ridge >= 0):
+        raise ValueError(f"{fn}: 'ridge' must be a finite number >= 0, got {ridge!r}")
     a = bspline_basis(x, grid, spline_order)  # [n, in, G+k]
     a = jnp.moveaxis(a, 1, 0)  # [in, n, G+k]
     b = jnp.moveaxis(y, 1, 0)  # [in, n, out]
