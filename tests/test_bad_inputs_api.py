@@ -408,22 +408,19 @@ def _without_lora_a(lora):
     (lambda L, cfg, lc, p, lo: L.block(p["layers"][0], lo["layers"][0], jnp.zeros((2, 8, 15)), cfg, lc), "'x' must be"),
     (lambda L, cfg, lc, p, lo: L.causal_lm_loss(jnp.zeros((2, 8, 29)), jnp.zeros((2, 7), jnp.int32), 10),
      "'labels' must be"),
-    pytest.param(lambda L, cfg, lc, p, lo: L.init(KEY, {"hidden_size": 16}), "'cfg'", marks=xfail(
-        "jaxgrad/lora/model.py: init does not check cfg is a LlamaConfig (AttributeError: 'dict' object has no "
-        "attribute 'num_hidden_layers')")),
-    pytest.param(lambda L, cfg, lc, p, lo: L.init(0, cfg), "'key'", marks=xfail(
-        "jaxgrad/lora/model.py: init passes a non-key straight to jax.random (raw 'JAX encountered invalid PRNG "
-        "key data')")),
-    pytest.param(lambda L, cfg, lc, p, lo: L.init_lora(KEY, cfg, None), "'lcfg'", marks=xfail(
-        "jaxgrad/lora/model.py: init_lora does not check lcfg is a LoraConfig (AttributeError: 'NoneType' object "
-        "has no attribute 'targets')")),
-    pytest.param(lambda L, cfg, lc, p, lo: L.apply(p, _without_lora_a(lo), jnp.zeros((2, 8), jnp.int32), cfg, lc),
-                 "lora_A", marks=xfail(
-                     "jaxgrad/lora/block.py (validate_block_inputs): a LoRA entry without 'lora_A' raises a raw "
-                     "KeyError: 'lora_A'")),
-    pytest.param(lambda L, cfg, lc, p, lo: L.block(p["layers"][0], _without_lora_a(lo)["layers"][0],
-                                                   jnp.zeros((2, 8, 16)), cfg, lc), "lora_A", marks=xfail(
-        "jaxgrad/lora/block.py (validate_block_inputs): a LoRA entry without 'lora_A' raises a raw KeyError")),
+    (lambda L, cfg, lc, p, lo: L.init(KEY, {"hidden_size": 16}), "init: 'cfg' must be a LlamaConfig"),
+    (lambda L, cfg, lc, p, lo: L.init(0, cfg), r"init: 'key' must be a JAX PRNG key \(jax.random.key\(seed\)\)"),
+    (lambda L, cfg, lc, p, lo: L.init_lora(KEY, cfg, None), "init_lora: 'lcfg' must be a LoraConfig"),
+    (lambda L, cfg, lc, p, lo: L.init_lora(KEY, lc, lc), "init_lora: 'cfg' must be a LlamaConfig"),
+    (lambda L, cfg, lc, p, lo: L.init_lora(np.zeros(3), cfg, lc), "init_lora: 'key' must be a JAX PRNG key"),
+    (lambda L, cfg, lc, p, lo: L.apply(p, _without_lora_a(lo), jnp.zeros((2, 8), jnp.int32), cfg, lc),
+     r"lora\['layers'\]\[0\]\['self_attn'\]\['q_proj'\] has no 'lora_A'"),
+    (lambda L, cfg, lc, p, lo: L.apply(p, _without_lora_a(lo), jnp.zeros((2, 8), jnp.int32), cfg, lc,
+                                       backend="reference"), r"\['q_proj'\] has no 'lora_A'"),
+    (lambda L, cfg, lc, p, lo: L.block(p["layers"][0], _without_lora_a(lo)["layers"][0], jnp.zeros((2, 8, 16)), cfg,
+                                       lc), r"block: lora\['self_attn'\]\['q_proj'\] must hold 'lora_A' \[r, in\]"),
+    (lambda L, cfg, lc, p, lo: L.block(p["layers"][0], {**lo["layers"][0], "mlp": 3}, jnp.zeros((2, 8, 16)), cfg, lc),
+     r"block: lora\['mlp'\] must be a dict"),
 ]))
 def test_lora_model_and_block(call, names):
     from jaxgrad import lora

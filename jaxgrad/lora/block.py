@@ -159,6 +159,8 @@ def _weight_shape(w):
 
 def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions, attention_mask):
     """Shapes and names of everything :func:`block` takes; raises naming the argument."""
+    from collections.abc import Mapping
+
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"block: 'cfg' must be a LlamaConfig, got {type(cfg).__name__}")
     if lcfg is not None and not isinstance(lcfg, LoraConfig):
@@ -192,8 +194,15 @@ def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | 
             raise ValueError(f"block: params['{n}']['weight'] must be [{hid}], got {tuple(w.shape)}")
     targets = () if lcfg is None else lcfg.targets
     lora = lora or {}
+    if not isinstance(lora, Mapping):
+        raise TypeError(f"block: 'lora' must be a dict {{group: {{module: {{'lora_A', 'lora_B'}}}}}} or None, got "
+                        f"{type(lora).__name__}")
     for (g, n), (out_f, in_f) in want.items():
-        entry = lora.get(g, {}).get(n)
+        group = lora.get(g, {})
+        if not isinstance(group, Mapping):
+            raise TypeError(f"block: lora['{g}'] must be a dict {{module: {{'lora_A', 'lora_B'}}}}, got "
+                            f"{type(group).__name__}")
+        entry = group.get(n)
         if (g, n) not in targets:
             if entry is not None:
                 raise ValueError(f"block: lora['{g}']['{n}'] is given but '{n}' is not in target_modules")
@@ -201,6 +210,13 @@ def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | 
         if entry is None:
             raise ValueError(f"block: lora['{g}']['{n}'] is missing ('{n}' is a target module)")
         r = lcfg.r
+        for name, expected in (("lora_A", f"[r, in] = {(r, in_f)}"), ("lora_B", f"[out, r] = {(out_f, r)}")):
+            if not isinstance(entry, Mapping) or not hasattr(entry.get(name), "shape"):
+                got = (f"a {type(entry).__name__}" if not isinstance(entry, Mapping) else
+                       f"keys {sorted(map(str, entry))}" if name not in entry else
+                       f"{type(entry[name]).__name__} for '{name}'")
+                raise ValueError(f"block: lora['{g}']['{n}'] must hold '{name}' {expected} (an adapter entry "
+                                 f"{{'lora_A': [r, in], 'lora_B': [out, r]}}), got {got}")
         if tuple(entry["lora_A"].shape) != (r, in_f):
             raise ValueError(f"block: lora['{g}']['{n}']['lora_A'] must be [r, in] = {(r, in_f)}, got "
                              f"{tuple(entry['lora_A'].shape)}")

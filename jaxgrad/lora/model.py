@@ -25,6 +25,7 @@ Gradient checkpointing: ``cfg.gradient_checkpointing`` wraps every block in ``ja
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +50,30 @@ def _proj_shapes(cfg: LlamaConfig):
             ("mlp", "gate_proj"): (inter, hid), ("mlp", "up_proj"): (inter, hid), ("mlp", "down_proj"): (hid, inter)}
 
 
+def _check_key(key, where: str) -> None:
+    """``key`` must be a JAX PRNG key: ``jax.random.key(seed)`` or the legacy ``jax.random.PRNGKey(seed)``."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                              or (dtype == np.uint32 and getattr(key, "shape", ())[-1:] in ((2,), (4,)))):
+        return
+    what = f"an array of {dtype} {tuple(key.shape)}" if dtype is not None and hasattr(key, "shape") else \
+        f"{type(key).__name__} {key!r}"
+    raise TypeError(f"{where}: 'key' must be a JAX PRNG key (jax.random.key(seed)), got {what}")
+
+
+def _check_config(value, name: str, expected: type, where: str) -> None:
+    if not isinstance(value, expected):
+        raise TypeError(f"{where}: '{name}' must be a {expected.__name__}, got {type(value).__name__} "
+                        f"{str(value)[:80]}")
+
+
 def init(key: jax.Array, cfg: LlamaConfig, dtype=jnp.float32, std: float = 0.02) -> dict:
-    """Random base parameters (HF's ``initializer_range`` normal init, norms at 1)."""
+    """Random base parameters (HF's ``initializer_range`` normal init, norms at 1).
+
+    ``key`` must be a JAX PRNG key and ``cfg`` a :class:`LlamaConfig`; anything else raises a ``TypeError`` naming
+    the argument."""
+    _check_key(key, "init")
+    _check_config(cfg, "cfg", LlamaConfig, "init")
     n_proj = len(PROJECTIONS)
     keys = jax.random.split(key, 2 + cfg.num_hidden_layers * n_proj)
     shapes = _proj_shapes(cfg)
@@ -77,7 +100,13 @@ def init_lora(key: jax.Array, cfg: LlamaConfig, lcfg: LoraConfig, dtype=jnp.floa
     * ``True``: A ~ Kaiming-uniform(a = sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0;
     * ``"gaussian"``: A ~ N(0, (1/r)^2), B = 0;
     * ``False``: A and B both nn.Linear-default random, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (B's fan_in is r).
+
+    ``key`` must be a JAX PRNG key, ``cfg`` a :class:`LlamaConfig` and ``lcfg`` a :class:`LoraConfig`; anything
+    else raises a ``TypeError`` naming the argument.
     """
+    _check_key(key, "init_lora")
+    _check_config(cfg, "cfg", LlamaConfig, "init_lora")
+    _check_config(lcfg, "lcfg", LoraConfig, "init_lora")
     shapes = _proj_shapes(cfg)
     layers = []
     for i in range(cfg.num_hidden_layers):
@@ -135,9 +164,29 @@ def _check_model(params, lora, input_ids, cfg, lcfg, attention_mask=None):
                          f"'num_hidden_layers' is {cfg.num_hidden_layers}")
     if ("lm_head" in params) == cfg.tie_word_embeddings:
         raise ValueError("apply: params['lm_head'] must be absent exactly when 'tie_word_embeddings' is True")
+    if lcfg is not None and not isinstance(lcfg, LoraConfig):
+        raise TypeError(f"apply: 'lcfg' must be a LoraConfig or None, got {type(lcfg).__name__}")
+    if not isinstance(lora, Mapping) or not isinstance(lora.get("layers"), (list, tuple)):
+        raise TypeError(f"apply: 'lora' must be None or a dict {{'layers': [one adapter dict per layer]}}, got "
+                        f"{type(lora).__name__}")
     if lcfg is not None and len(lora.get("layers", ())) != cfg.num_hidden_layers:
         raise ValueError(f"apply: lora['layers'] has {len(lora.get('layers', ()))} entries, expected "
                          f"{cfg.num_hidden_layers}")
+    for i, layer in enumerate(lora["layers"] if lcfg is not None else ()):
+        for g, n in lcfg.targets:
+            entry = layer.get(g, {}).get(n) if isinstance(layer, Mapping) and isinstance(layer.get(g, {}), Mapping) \
+                else None
+            path = f"lora['layers'][{i}]['{g}']['{n}']"
+            if entry is None:
+                raise ValueError(f"apply: {path} is missing ('{n}' is a target module; expected "
+                                 "{'lora_A': [r, in], 'lora_B': [out, r]})")
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"apply: {path} must be an adapter entry {{'lora_A': [r, in], 'lora_B': [out, r]}}, "
+                                 f"got a {type(entry).__name__}")
+            for k in ("lora_A", "lora_B"):
+                if k not in entry:
+                    raise ValueError(f"apply: {path} has no '{k}' (an adapter entry is {{'lora_A': [r, in], "
+                                     f"'lora_B': [out, r]}}), got keys {sorted(map(str, entry))}")
 
 
 def _checkpointed(fn, policy: str):
