@@ -83,6 +83,13 @@ def test_train_rejects_bad_toml(tmp_path, capsys):
         assert main(["train", "kan", str(bad), "--out", str(tmp_path / "run")]) == 2
         err = capsys.readouterr().err
         assert str(bad) in err and needle in err and err.count("\n") == 1, err
+    bad.write_bytes(b"[train]\n# caf\xe9 (Latin-1)\nsteps = 3\n")  # TOML is UTF-8
+    assert main(["train", "kan", str(bad), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: not valid TOML (not UTF-8: byte 0xe9 on line 2" in err and err.count("\n") == 1, err
+    assert main(["train", "kan", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: is a directory; expected a TOML config file" in err and err.count("\n") == 1, err
 
 
 def test_train_cnn_runs_saves_its_config_resumes_and_refuses_changes(tmp_path, capsys):

@@ -78,15 +78,24 @@ def defaults(schema: dict[str, dict[str, Spec]]) -> dict[str, dict]:
 
 def load_file(path: str | pathlib.Path) -> dict:
     p = pathlib.Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory; expected a TOML config file")
     if not p.is_file():
         raise ConfigError(f"{p}: no such config file")
     try:
-        with open(p, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{p}: not valid TOML ({err})") from None
+        data = p.read_bytes()
     except OSError as err:
         raise ConfigError(f"{p}: cannot be read ({err.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:  # TOML is UTF-8; tomllib would let the decode error escape
+        line = data[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{p}: not valid TOML (not UTF-8: byte 0x{data[err.start]:02x} on line {line}; a TOML "
+                          f"file must be UTF-8 encoded)") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{p}: not valid TOML ({err})") from None
 
 
 def apply_table(cfg: dict, table: dict, schema: dict, where: str) -> None:
