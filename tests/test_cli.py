@@ -74,6 +74,17 @@ def test_train_errors_are_one_line_and_exit_2(args, needle, tmp_path, capsys):
     assert not out.exists()  # nothing was created for a run that did not start
 
 
+@pytest.mark.parametrize("below", ["run", "a/b/run"])
+def test_train_out_below_a_file_is_one_line_naming_out(below, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    out = notes / below
+    assert main(["train", "kan", "--set", "train.steps=1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {notes} exists and is not a directory" in err and err.count("\n") == 1, err
+    assert notes.read_text() == "my notes\n"
+
+
 def test_train_rejects_bad_toml(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     for text, needle in (('[model]\nwidths = "2,1"\n', "'model.widths' must be a list of integers"),

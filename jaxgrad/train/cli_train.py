@@ -97,6 +97,17 @@ def resolve_for_run(family: str, config: str | None, sets: list[str], out: pathl
     return cfg, True, set_keys, notes
 
 
+def check_out_path(out: pathlib.Path) -> None:
+    """``--out`` must be a directory or a path that can become one: no existing ancestor may be a file (the
+    directory itself is checked by :func:`jaxgrad.train.rundir.inspect`)."""
+    for parent in pathlib.Path(out).parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise rundir.RunDirError(f"--out {out}: {parent} exists and is not a directory (--out must be a "
+                                         f"directory or a new path below one)")
+            return
+
+
 def _remove_new_entries(out: pathlib.Path, owned: tuple[str, ...], before: set[str] | None) -> None:
     """After a run refused before it started: remove the owned entries it created (``before``: the entries that
     existed, ``None``: the directory did not), and the directory if it created it and it is empty."""
@@ -132,6 +143,7 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
     owned: tuple[str, ...] = ()
     resuming = resume
     try:
+        check_out_path(out)
         cfg, resuming, set_keys, notes = resolve_for_run(family, config, sets, out, resume, overwrite)
         fam = family_module(family)
         owned = owned_entries(fam)
@@ -148,7 +160,10 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
             if overwrite:
                 rundir.clear_owned(out, owned)
             before = {p.name for p in out.iterdir()} if out.is_dir() else None
-            out.mkdir(parents=True, exist_ok=True)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise rundir.RunDirError(f"--out {out}: cannot create the directory ({err.strerror})") from None
         task, finish = fam.cli_task(cfg, out, lambda m: print(m, flush=True))
         from jaxgrad.train.loop import fit, log_end
 
