@@ -16,18 +16,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
+
+
+def _audit_error(message: str) -> int:
+    print(f"jaxgrad audit: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _json_path_problem(path: str) -> str | None:
+    """Why ``--json path`` cannot be written (checked before the audit runs), or None: the file must not be a
+    directory and its nearest existing ancestor must be a directory (missing folders are created)."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        return f"--json {path}: is a directory; expected a file name"
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"--json {path}: {parent} exists and is not a directory"
+            return None
+    return None
 
 
 def _audit_ops(args) -> int:
     from jaxgrad.ops.registry import all_audit_cases
     from jaxgrad.verify import audit
 
-    cases = [c for c in all_audit_cases() if not args.op or any(o in c.name for o in args.op)]
+    every = all_audit_cases()
+    cases = [c for c in every if not args.op or any(o in c.name for o in args.op)]
     if not cases:
-        print(f"jaxgrad audit: no op matches {args.op}", file=sys.stderr)
-        return 2
+        return _audit_error(f"no op matches {', '.join(repr(o) for o in args.op)} (--op matches part of a name; the "
+                            f"ops: {', '.join(c.name for c in every)})")
+    if args.json and (problem := _json_path_problem(args.json)):
+        return _audit_error(problem)
     results, summary = [], []
     for case in cases:
         t0 = time.perf_counter()
@@ -46,9 +69,13 @@ def _audit_ops(args) -> int:
     for name, ok, worst, dt in summary:
         print(f"  {'PASS' if ok else 'FAIL'}  {name:<24} worst {worst:8.3f} of bound   ({dt:5.1f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"name": r.name, "passed": r.passed, "sizes": [str(s) for s in r.sizes],
-                        "reports": [x.to_dict() for x in r.reports]} for r in results], f, default=str, indent=1)
+        data = json.dumps([{"name": r.name, "passed": r.passed, "sizes": [str(s) for s in r.sizes],
+                            "reports": [x.to_dict() for x in r.reports]} for r in results], default=str, indent=1)
+        try:
+            pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(args.json).write_text(data)
+        except OSError as err:
+            return _audit_error(f"--json {args.json}: cannot be written ({err.strerror})")
     return 0 if all(ok for _, ok, _, _ in summary) else 1
 
 
@@ -58,8 +85,14 @@ def _audit_planted(args) -> int:
     from jaxgrad.verify import check_vjp
     from jaxgrad.verify.planted import all_cases
 
+    if args.json:
+        return _audit_error("--json writes the op audit's reports; --planted has none (drop one of them)")
+    every = all_cases()
+    if args.op and not any(o in c.name for c in every for o in args.op):
+        return _audit_error(f"no planted case matches {', '.join(repr(o) for o in args.op)} (--op matches part of "
+                            f"a name, e.g. {', '.join(c.name for c in every[:4])}, ...)")
     rows, wrong = [], 0
-    for case in all_cases():
+    for case in every:
         if args.op and not any(o in case.name for o in args.op):
             continue
         dtype = case.dtype if hasattr(case, "dtype") else None
@@ -136,7 +169,6 @@ def _families() -> list[str]:
 def _bench(bench_args: list[str]) -> int:
     """Delegate to ``scripts/bench.py`` (its options, its output format) from a checkout."""
     import importlib.util
-    import pathlib
 
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
     if not path.is_file():

@@ -664,11 +664,14 @@ CLI_CASES = [
      r"latin1.toml: not valid TOML \(not UTF-8", None),
     ("out through a file", ["train", "kan", "--set", "train.steps=1", "--out", "{u}/notes.txt/run"],
      "--out .*notes.txt/run: .*notes.txt exists and is not a directory", None),
-    ("audit unknown op", ["audit", "--op", "no-such-op"], "no op matches",
-     "jaxgrad/cli.py (_audit_ops): exits 2 but prints 'jaxgrad audit: no op matches ...' without 'error:'"),
-    ("audit json through a file", ["audit", "--op", "swiglu[xla]", "--json", "{u}/notes.txt/a.json"], "notes.txt",
-     "jaxgrad/cli.py (_audit_ops): --json below an existing file escapes as a NotADirectoryError traceback, after "
-     "the audit has run"),
+    ("audit unknown op", ["audit", "--op", "no-such-op"], r"jaxgrad audit: error: no op matches 'no-such-op'.*swiglu",
+     None),
+    ("audit json through a file", ["audit", "--op", "swiglu[xla]", "--json", "{u}/notes.txt/a.json"],
+     "--json .*notes.txt/a.json: .*notes.txt exists and is not a directory", None),
+    ("audit json is a directory", ["audit", "--op", "swiglu[xla]", "--json", "{u}"], "--json .*: is a directory",
+     None),
+    ("audit planted unknown op", ["audit", "--planted", "--op", "no-such-case"], "no planted case matches", None),
+    ("audit planted json", ["audit", "--planted", "--json", "{u}/p.json"], "--planted has none", None),
 ]
 
 

@@ -22,7 +22,21 @@ def test_planted_catalogue_is_classified(capsys):
 
 def test_unknown_op_is_an_error(capsys):
     assert main(["audit", "--op", "no-such-op"]) == 2
-    assert "no op matches" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("jaxgrad audit: error: no op matches 'no-such-op'") and err.count("\n") == 1, err
+    assert "swiglu[xla]" in err and "kan_linear[xla]" in err  # the names --op can match
+
+
+def test_audit_json_path_is_checked_before_the_audit_runs(capsys, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert main(["audit", "--op", "swiglu[xla]", "--json", str(notes / "a.json")]) == 2
+    out, err = capsys.readouterr()
+    assert f"--json {notes / 'a.json'}: {notes} exists and is not a directory" in err and err.count("\n") == 1, err
+    assert "audit: swiglu" not in out  # refused before any op was audited
+    assert notes.read_text() == "my notes\n"
+    assert main(["audit", "--op", "swiglu[xla]", "--json", str(tmp_path / "new" / "dir" / "a.json")]) == 0
+    assert json.loads((tmp_path / "new/dir/a.json").read_text())[0]["name"] == "swiglu[xla]"  # folders created
 
 
 # ------------------------------------------------------------------------------------------------------------
