@@ -214,3 +214,34 @@ def test_lora_dropout_trains_and_both_grad_paths_draw_the_same_masks():
     assert after["heldout_loss"] < before["heldout_loss"], (before, after)  # it trains
     with pytest.raises(ValueError, match="'lora_dropout'"):
         LoraFit(mode="lora", lora_dropout=1.0)
+
+
+@pytest.mark.parametrize("setting, shown", [
+    ("model.r=0", "'r' = 0"), ("model.lora_alpha=16", "'lora_alpha' = 16.0"),
+    ("model.target_modules=['q_proj']", "'target_modules' = ('q_proj',)"),
+    ("model.lora_dropout=0.1", "'lora_dropout' = 0.1"),
+    ("model.use_rslora=true", "'use_rslora' = True"), ("model.base_seed=3", "'base_seed' = 3"),
+    ("model.double_quant=true", "'double_quant' = True"), ("model.nf4_blocksize=32", "'nf4_blocksize' = 32"),
+])
+def test_full_mode_refuses_a_lora_setting_it_would_ignore(setting, shown, tmp_path, capsys):
+    """Mode 'full' trains the whole model: no adapters, no frozen base, no NF4. A LoRA / QLoRA setting that differs
+    from its default would be silently ignored there, so the run is refused before it starts, naming the key."""
+    out = tmp_path / "run"
+    assert _main(["train", "lora", "configs/lora.toml", *TINY, "--set", setting, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert shown in err and "would be silently ignored in mode 'full'" in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_settings_a_mode_does_not_use_are_refused_and_defaults_pass():
+    LoraFit(mode="full", r=4, target_modules=["all-linear"])  # the defaults, written out: accepted
+    LoraFit(mode="lora", r=8, base_seed=2)  # LoRA settings and the random base's seed in a LoRA mode
+    LoraFit(mode="qlora", double_quant=True, nf4_blocksize=32)
+    with pytest.raises(ValueError, match=r"'r' = 8 \(used in modes 'lora' and 'qlora'; default 4\); 'lora_alpha' = "
+                                         r"16 .* ignored in mode 'full': leave them at the default"):
+        LoraFit(mode="full", r=8, lora_alpha=16)
+    with pytest.raises(ValueError, match=r"'double_quant' = True \(used in mode 'qlora'.* ignored in mode 'lora'"):
+        LoraFit(mode="lora", double_quant=True)
+    with pytest.raises(ValueError, match=r"'base_seed' = 5 \(seeds a random base, used without 'base'.*with this "
+                                         r"base"):
+        LoraFit(mode="lora", base="/some/checkpoint", base_seed=5)

@@ -69,6 +69,10 @@ from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
 MODES = ("full", "lora", "qlora")
+#: the :class:`LoraFit` settings only some modes use; any other mode refuses one that differs from its default
+USED_ONLY_IN = {**{name: ("lora", "qlora") for name in ("r", "lora_alpha", "lora_dropout", "target_modules",
+                                                        "use_rslora", "init_lora_weights", "base_seed")},
+                "nf4_blocksize": ("qlora",), "double_quant": ("qlora",)}
 VOCAB = 256
 
 
@@ -116,10 +120,10 @@ class LoraFit:
         need(0.0 < self.held_out < 1.0, "held_out", "a fraction in (0, 1)")
         need(isinstance(self.lora_dropout, (int, float)) and 0.0 <= self.lora_dropout < 1.0, "lora_dropout",
              "a probability in [0, 1)")
-        need(self.mode != "full" or self.lora_dropout == 0.0, "lora_dropout", "0 in mode 'full' (no adapters)")
         need(isinstance(self.files, str) and self.files.strip() != "", "files", "a glob pattern or path")
         if isinstance(self.target_modules, list):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        self._refuse_settings_the_mode_ignores()
         if self.dtype == "float64" and not jax.config.jax_enable_x64:
             raise ConfigError("LoRA fit: dtype 'float64' needs jax_enable_x64 (set it before creating arrays)")
         try:
@@ -130,6 +134,28 @@ class LoraFit:
             raise
         except ValueError as err:  # LlamaConfig / LoraConfig name the key
             raise ConfigError(f"LoRA fit: {err}") from None
+
+    def _refuse_settings_the_mode_ignores(self) -> None:
+        """A setting the mode does not use must keep its default (:data:`USED_ONLY_IN`): mode ``"full"`` has no
+        adapters and no frozen base (its model starts from ``base`` or the engine's seed, not ``base_seed``), only
+        ``"qlora"`` quantises, and ``base_seed`` seeds only a random base (no ``base``). A changed one would be
+        silently ignored, so it is refused, by name."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        bad = []
+        for name, modes in USED_ONLY_IN.items():
+            value = getattr(self, name)
+            if name == "target_modules" and value == ("all-linear",):
+                value = "all-linear"
+            if self.mode not in modes and value != defaults[name]:
+                bad.append(f"'{name}' = {getattr(self, name)!r} (used in mode{'s' if len(modes) > 1 else ''} "
+                           f"{' and '.join(map(repr, modes))}; default {defaults[name]!r})")
+        if self.mode != "full" and self.base is not None and self.base_seed != defaults["base_seed"]:
+            bad.append(f"'base_seed' = {self.base_seed!r} (seeds a random base, used without 'base'; default "
+                       f"{defaults['base_seed']!r})")
+        if bad:
+            raise ConfigError(f"LoRA fit: {'; '.join(bad)} would be silently ignored in mode {self.mode!r}"
+                              f"{' with this base' if self.base is not None and self.mode != 'full' else ''}: leave "
+                              f"{'it' if len(bad) == 1 else 'them'} at the default or change 'mode'")
 
     def llama_config(self) -> LlamaConfig:
         return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
