@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Reproduce pykan's function-fitting anchor (docs ``Example_1_function_fitting``) with jaxgrad's KAN layers.
 
-    python scripts/kan_fit.py [--quick] [--out-dir benchmarks/results] [--grids 3,5,10,20,50] [--steps 200]
+    python scripts/kan_fit.py [--quick] [--out-dir runs/bench] [--grids 3,5,10,20,50] [--steps 200]
 
 Task: ``f(x, y) = exp(sin(pi x) + y^2)`` on ``[-1, 1]^2``, 1000 train / 1000 test uniform samples, a ``[2, 1, 1]``
 KAN with cubic splines (k = 3), trained in float64 on CPU with grid refinement ``G = 3, 5, 10, 20, 50``.
@@ -28,7 +28,9 @@ chains the phases and reports. The layer forward is ``kan_linear_reference`` (``
 the model is tiny; ``--backend xla|pallas`` trains through the custom VJP instead). ``jaxgrad train kan`` is the
 checkpointed, resumable run of the same fit. No bias, as in pykan's default
 ``MultKAN`` (its node affine parameters are frozen). Prints train/test RMSE per G next to pykan's reported values,
-writes ``kan_fit_<date>.json`` and ``kan_fit_activations.png`` into ``--out-dir``.
+writes ``kan_fit_<date>.json`` and ``kan_fit_activations.png`` into ``--out-dir`` (default ``runs/bench`` under the
+current directory: git-ignored in a checkout, so a run never changes the repository; ``--out-dir
+benchmarks/results`` adds them to the committed results).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ jax.config.update("jax_enable_x64", True)
 
 import optax  # noqa: E402
 
+from jaxgrad import benchmarking as bm  # noqa: E402
 from jaxgrad.kan.task import KANFit, make_dataset, make_task, refine_params, rmse  # noqa: E402
 from jaxgrad.train import TrainConfig, train_in_memory  # noqa: E402
 
@@ -91,7 +94,9 @@ def main(argv=None):
     ap.add_argument("--n-train", type=int, default=None)
     ap.add_argument("--n-test", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out-dir", default=str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results"))
+    ap.add_argument("--out-dir", default=bm.DEFAULT_RESULTS_DIR,
+                    help="results directory (default: %(default)s, git-ignored; --out-dir benchmarks/results to "
+                         "commit)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
 

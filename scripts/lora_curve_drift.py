@@ -7,7 +7,10 @@ self-drift is as large as the paths' drift, the 1e-5 criterion sits below the tr
 f32 and cannot tell a correct backward from a wrong one; the paths' agreement is then shown by float64 (see
 tests/test_train_lora.py) and per step by the verifier.
 
-    python scripts/lora_curve_drift.py [--steps 100] [--out benchmarks/results]
+    python scripts/lora_curve_drift.py [--steps 100] [--out runs/bench]
+
+The JSON goes to ``runs/bench/`` under the current directory by default (git-ignored in a checkout, so a run never
+changes the repository); ``--out benchmarks/results`` adds it to the committed results.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def _nudge_a(params):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=bm.DEFAULT_RESULTS_DIR,
+                    help="results directory (default: %(default)s, git-ignored; --out benchmarks/results to commit)")
     args = ap.parse_args(argv)
     env = bm.environment()
     print(f"# lora_curve_drift: {env['device_kind']} ({env['platform']}), jax {env['jax']}, {env['datetime_utc']}")

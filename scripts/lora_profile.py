@@ -2,7 +2,7 @@
 """Where the LoRA block's fwd+bwd time goes (issue #13): a per-op table from a ``jax.profiler`` trace.
 
     python scripts/lora_profile.py [--sizes full|small] [--variants "custom_vjp cudnn,jax.grad(reference) cudnn"]
-                                   [--steps 5] [--out benchmarks/results] [--artifacts DIR]
+                                   [--steps 5] [--out runs/bench] [--artifacts DIR]
     python scripts/lora_profile.py --from-artifacts DIR [--out ...]      # re-make the table from a saved run
 
 Each variant is built and compiled by :func:`jaxgrad.lora.bench.run_jax_variant` itself (the benchmark's inputs,
@@ -31,7 +31,9 @@ json; no xprof / tensorboard plugin needed) and the executable's optimised HLO t
   790 TFLOP/s is what large bf16 GEMMs sustain on an H100 SXM (the data sheet's dense bf16 peak is 989); an f32
   (TF32) gemm is held to the same 790, so its gap includes the 2x it loses to TF32.
 
-Output: ``<out>/lora-profile-<device>-<stamp>.txt`` (and ``.json``), header first: device, versions, commit
+Output: ``<out>/lora-profile-<device>-<stamp>.txt`` (and ``.json``; ``--out`` defaults to ``runs/bench`` under the
+current directory, git-ignored in a checkout, so a run never changes the repository; ``--out benchmarks/results``
+adds the table to the committed results), header first: device, versions, commit
 (``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY`` from the launcher, see :func:`jaxgrad.benchmarking.provenance`), command
 line. ``--artifacts DIR`` also keeps each variant's trace and HLO text (gzip) and a ``meta`` json, from which
 ``--from-artifacts`` remakes the same table elsewhere (its header says so).
@@ -63,6 +65,9 @@ HBM_BYTES = 3.35e12  # H100 SXM HBM3
 SKINNY = 128  # a gemm with M, N or K <= this is a LoRA product (r = 16; XLA merges up to 7 adapters: 112)
 DEFAULT_VARIANTS = ("custom_vjp cudnn", "jax.grad(reference) cudnn")
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+# jaxgrad.benchmarking.DEFAULT_RESULTS_DIR (git-ignored); spelled out, since importing it imports jax, which
+# --from-artifacts does not need
+DEFAULT_OUT = "runs/bench"
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
              "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
@@ -832,7 +837,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--top", type=int, default=40, help="ops listed per variant")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="results directory (default: %(default)s, git-ignored; --out benchmarks/results to commit)")
     p.add_argument("--artifacts", default=None, help="keep traces, HLO text and meta.json here")
     p.add_argument("--from-artifacts", default=None, help="remake the table from a saved --artifacts folder")
     a = p.parse_args(argv)

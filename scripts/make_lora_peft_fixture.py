@@ -71,7 +71,8 @@ def write_ours(directory: str) -> None:
             b = (0.05 * rng.standard_normal((out_f, OURS["r"]))).astype(np.float32)
             layer.setdefault(MODULE_GROUPS[m], {})[m] = {"lora_A": a, "lora_B": b}
         layers.append(layer)
-    save_adapter(directory, {"layers": layers}, OURS, base_model_name_or_path=None)
+    # the fixture maker regenerates its own fixture: replace the adapter files already there (nothing else)
+    save_adapter(directory, {"layers": layers}, OURS, base_model_name_or_path=None, overwrite=True)
     print(f"wrote {directory}")
 
 

@@ -14,7 +14,9 @@ dx dot at JAX's default precision, TF32 on an H100); ``bf16 dot`` (a dense bf16 
 result; for dx, dY cast to bf16 outside the timing): the tensor-core reference; the kernel in its configurations.
 ``old`` reproduces the kernel as of issue #13's measurement (general path, 64x64x64 tiles, 4 warps, 2 stages, f32
 dots at HIGHEST). Each kernel output is compared with the XLA path at HIGHEST (``rel_err`` = max |diff| / max |ref|).
-Floor = 2 rows O K / 989 TFLOP/s (one bf16 pass). Writes ``nf4-matmul-timing-<device>-<time>.txt`` / ``.json``.
+Floor = 2 rows O K / 989 TFLOP/s (one bf16 pass). Writes ``nf4-matmul-timing-<device>-<time>.txt`` / ``.json`` into
+``--out`` (default ``runs/bench`` under the current directory: git-ignored in a checkout, so a run never changes the
+repository; ``--out benchmarks/results`` adds them to the committed results).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configurations, lut=gather and the general path")
     p.add_argument("--no-old", action="store_true", help="skip the old (issue #13) kernel")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new variants after this")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=bm.DEFAULT_RESULTS_DIR,
+                   help="results directory (default: %(default)s, git-ignored; --out benchmarks/results to commit)")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     env = bm.environment()

@@ -14,8 +14,9 @@ caught in every trial. Each row also gives the floor the kernel's own rounding p
 same false-alarm rate (``ideal_limit``: the Cramer-Rao spread of the best unbiased scale estimate, known exactly,
 caught in all trials with probability 0.95), so a limit above a target can be told apart from a weak test. The correct kernel (``s = 0``) must pass in every trial: its failures are false alarms.
 
-Writes ``benchmarks/results/verify-detection-<device>-<stamp>.{json,txt}`` (header: device, versions, commit,
-command line) unless ``--no-write``.
+Writes ``<out>/verify-detection-<device>-<stamp>.{json,txt}`` (header: device, versions, commit, command line)
+unless ``--no-write``; ``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout,
+so a run never changes the repository; ``--out benchmarks/results`` adds the result to the committed ones).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.benchmarking import _jsonable, device_slug, environment
+from jaxgrad.benchmarking import DEFAULT_RESULTS_DIR, _jsonable, device_slug, environment
 from jaxgrad.verify.calibration import OPS, leaf_errors, make_case
 from jaxgrad.verify.stats import FALSE_ALARM_RATE, entry_variance, leaf_null, leaf_statistics, replicas_for
 
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
                     help="K (default: check_vjp's, stats.replicas_for: 32 when every leaf has <= 4096 entries, else 16)")
     ap.add_argument("--quick", action="store_true", help="sizes 64 and 1024, 4 trials")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=DEFAULT_RESULTS_DIR,
+                    help="results directory (default: %(default)s, git-ignored; --out benchmarks/results to commit)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes, one (op, precision, size) each")
     ap.add_argument("--cpu-max-attention", type=int, default=MAX_SIZE["attention"],

@@ -23,7 +23,9 @@ TF32 / bf16 and the backward at bf16 / TF32 / f16, f32 arrays, ``MIXED_PAIRS``),
 GPU's own; on a CPU it is emulated). Half the runs plant a scale error in one gradient at the documented target for
 the coarser of the two precisions (1% at bf16, 0.2% at TF32 / f16): each must be caught on that gradient.
 
-Writes ``benchmarks/results/verify-false-alarms-<mode>-<device>-<stamp>.{json,txt}`` unless ``--no-write``.
+Writes ``<out>/verify-false-alarms-<mode>-<device>-<stamp>.{json,txt}`` unless ``--no-write``; ``--out`` defaults to
+``runs/bench`` under the current directory (git-ignored in a checkout, so a run never changes the repository;
+``--out benchmarks/results`` adds the result to the committed ones).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ import time
 import numpy as np
 
 OPS = ("dense", "conv_relu", "attention", "long_sum")
+# jaxgrad.benchmarking.DEFAULT_RESULTS_DIR (git-ignored); spelled out, since importing it imports jax before cpu mode
+# sets JAX_PLATFORMS
+DEFAULT_OUT = "runs/bench"
 
 
 PLANTED_TARGET = {"bf16": 0.01, "f16": 0.002, "tf32": 0.002, "f32": 1e-5}
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (cpu mode)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="results directory (default: %(default)s, git-ignored; --out benchmarks/results to commit)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop taking results after this many seconds and write those that finished (the header "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -211,3 +212,24 @@ def test_bench_script_lora_proj_small(tmp_path):
     rows = rows[:3]
     m, k, n, r = 512, 256, 128, 16
     assert all(r_["flops"] == 2 * m * k * (n + r) + 2 * m * r * n and r_["median_ms"] > 0 for r_ in rows)
+
+
+@pytest.mark.parametrize("script, option", [
+    ("lora_profile.py", "--out"), ("nf4_matmul_timing.py", "--out"), ("lora_curve_drift.py", "--out"),
+    ("kan_fit.py", "--out-dir"), ("cnn_precision.py", "--out"), ("verify_false_alarms.py", "--out"),
+    ("verify_detection_limits.py", "--out"), ("bench.py", "--out"),
+])
+def test_measurement_scripts_write_outside_the_repository_by_default(script, option):
+    """Every script that writes results defaults to the git-ignored ``runs/bench`` (``DEFAULT_RESULTS_DIR``): running
+    it never changes the committed ``benchmarks/results`` the README's tables are made from; committing a result is
+    an explicit ``--out benchmarks/results``."""
+    args = ["kan", "--help"] if script == "bench.py" else ["--help"]
+    proc = subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "400"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert bm.DEFAULT_RESULTS_DIR == "runs/bench" and option in text
+    assert f"default: {bm.DEFAULT_RESULTS_DIR}, git-ignored" in text or \
+        f"default {bm.DEFAULT_RESULTS_DIR}/cnn-precision-" in text, text
+    src = (REPO / "scripts" / script).read_text()
+    assert 'default="benchmarks/results"' not in src and '/ "benchmarks/results"' not in src

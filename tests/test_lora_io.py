@@ -445,6 +445,7 @@ def test_our_writer_is_the_committed_fixture(tmp_path):
     finally:
         sys.path.pop(0)
     maker.write_ours(str(tmp_path / "ours"))
+    maker.write_ours(str(tmp_path / "ours"))  # regenerating the fixture replaces its own adapter files
     assert json.loads((tmp_path / "ours/adapter_config.json").read_text()) == json.loads(
         (OURS_DIR / "adapter_config.json").read_text())
     a, b = load_file(str(tmp_path / "ours/adapter_model.safetensors")), load_file(str(OURS_DIR / "adapter_model.safetensors"))
