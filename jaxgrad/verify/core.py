@@ -94,8 +94,14 @@ def _validate_args(fn, reference, args) -> None:
             raise TypeError(f"check_vjp: argument leaf {name} has dtype {dtype}; every argument leaf is "
                             "differentiated and must be floating point (bf16/f16/f32/f64). Close over integer or "
                             "boolean inputs (indices, masks, NF4 codes) with functools.partial.")
-        if np.size(leaf) and not bool(jnp.all(jnp.isfinite(jnp.asarray(leaf, jnp.float32)))):
+        if np.size(leaf) and not _all_finite32(leaf):
             raise ValueError(f"check_vjp: argument leaf {name} contains NaN or Inf")
+
+
+def _all_finite32(x) -> bool:
+    """Every entry finite once in float32 (as the verifier's float32 runs see it), tested on the host."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.all(np.isfinite(np.asarray(x).astype(np.float32))))
 
 
 def _call(f, what, args):
@@ -120,15 +126,30 @@ def _check_outputs(out, ref_out) -> None:
                                 "floating outputs can carry a cotangent")
 
 
-def _vjp(f, what, args, ct):
-    """(output, gradients, pullback) of ``f`` at ``args``; the pullback is jit-compiled once and reused."""
-    fwd_and_vjp = jax.jit(lambda a, c: (lambda y_pb: (y_pb[0], y_pb[1](c)))(jax.vjp(f, *a)))
+def _vjp(f, what, args, ct, internal: bool = False):
+    """(output, gradients, pullback) of ``f`` at ``args``; the pullback is compiled once and reused.
+
+    The program is compiled ahead of time, and ``pullback.compiled`` is that executable (``.as_text()``: XLA's
+    optimized HLO), so reading the program costs no second compilation; a cotangent of other types than ``ct``
+    (a Python scalar's weak type, say) recompiles. ``internal``: a program of the verifier's own (the float64
+    re-run), compiled with :data:`jaxgrad.verify.cost.COMPILER_OPTIONS`; else as the user's code is."""
+    jit = cost.jit if internal else jax.jit
+    fwd_and_vjp = jit(lambda a, c: (lambda y_pb: (y_pb[0], y_pb[1](c)))(jax.vjp(f, *a)))
     try:
-        out, grads = fwd_and_vjp(args, ct)
+        compiled = fwd_and_vjp.lower(args, ct).compile()
+        out, grads = compiled(args, ct)
     except Exception as e:
         raise VJPUnavailableError(f"check_vjp: {what} has no VJP: jax.vjp({what}) failed with "
                                   f"{type(e).__name__}: {e}") from e
-    return out, grads, lambda c: fwd_and_vjp(args, c)[1]
+
+    def pullback(c):
+        try:
+            return compiled(args, c)[1]
+        except TypeError:  # not the types it was compiled for
+            return fwd_and_vjp(args, c)[1]
+
+    pullback.compiled = compiled
+    return out, grads, pullback
 
 
 def _program_precision(f, args, ct, platform: str, notes: list[str]):
@@ -152,21 +173,42 @@ def _rng(seed: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream])
 
 
+# The helpers below compute on the host (NumPy) and move the result with jax.device_put: an eager jnp operation
+# compiles one XLA program per shape and dtype (~0.05 s each on the CPU, several times that on a GPU; jnp.asarray of
+# a NumPy array too), and a pytree of leaves makes dozens of them.
 def _white_noise_like(tree, rng: np.random.Generator, dtype=None):
     leaves, treedef = jax.tree.flatten(tree)
-    out = [jnp.asarray(rng.standard_normal(x.shape), dtype or x.dtype) for x in leaves]
+    out = [jax.device_put(rng.standard_normal(x.shape).astype(dtype or x.dtype)) for x in leaves]
     return jax.tree.unflatten(treedef, out)
 
 
 def _fill_low_bits(tree, rng: np.random.Generator):
     """x * (1 + 2^-26 xi): the same point to f32 precision, with the mantissa bits below f32 populated."""
     leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, [x * (1 + 2.0**-26 * jnp.asarray(rng.standard_normal(x.shape), x.dtype))
-                                        for x in leaves])
+    out = []
+    for x in leaves:
+        xh = np.asarray(x)
+        out.append(jax.device_put(xh * (1 + 2.0**-26 * rng.standard_normal(xh.shape).astype(xh.dtype))))
+    return jax.tree.unflatten(treedef, out)
 
 
 def _to64(tree):
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), tree)
+    """Every leaf as a float64 array (converted on the host: exact from any narrower float)."""
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.float64
+                        else jax.device_put(np.asarray(x).astype(np.float64)), tree)
+
+
+class _Not64(Exception):
+    """fn's forward returns less than float64 for float64 inputs (found abstractly, nothing compiled)."""
+
+
+def _abstract_forward(fn, args):
+    """fn's outputs as shapes and dtypes at ``args`` (nothing compiled); an empty list where that fails (the
+    compiled run then raises the error the report names)."""
+    try:
+        return jax.eval_shape(fn, *args)
+    except Exception:  # noqa: BLE001 - reported by the compiled run below
+        return []
 
 
 def _np64(x) -> np.ndarray:
@@ -259,15 +301,17 @@ def _leaf_result(name, run, g, r, m, model: prec.ErrorModel, n_terms: int, stats
 
 
 def _directional_fd(loss, args64, leaf_index, v, steps):
-    """Richardson-extrapolated central differences of ``loss`` along ``v`` on one leaf, for each step."""
+    """Richardson-extrapolated central differences of ``loss`` along ``v`` on one leaf, for each step (the points
+    are formed on the host; ``loss`` is one compiled program)."""
     leaves, treedef = jax.tree.flatten(args64)
-    x = leaves[leaf_index]
-    scale = float(jnp.sqrt(jnp.mean(x * x))) or 1.0
+    x = np.asarray(leaves[leaf_index], np.float64)
+    v = np.asarray(v, np.float64)
+    scale = float(np.sqrt(np.mean(x * x))) or 1.0
 
     def at(h):
         new = list(leaves)
         new[leaf_index] = x + h * v
-        return loss(*jax.tree.unflatten(treedef, new))
+        return float(loss(*jax.tree.unflatten(treedef, new)))
 
     out = []
     for rel_h in steps:
@@ -367,7 +411,9 @@ def check_vjp(
     checks: list[Check] = []
     notes: list[str] = []
     prog = _program_precision(fn, args, cotangent, platform[0], notes)
-    ct_ref = jax.tree.map(lambda c, o: jnp.asarray(c, o.dtype), cotangent, ref_out)
+    cost.lap("program precision")
+    ct_ref = jax.tree.map(lambda c, o: c if jnp.result_type(c) == o.dtype else
+                          jax.device_put(np.asarray(c).astype(o.dtype)), cotangent, ref_out)
 
     def ref_fwd_and_vjp(a, c):
         y, pb = jax.vjp(reference, *a)
@@ -579,17 +625,22 @@ def check_vjp(
         fn64_ok, grads64, f64_reason = False, None, "disabled (float64=False)"
         if float64:
             args64e, ct64e = _fill_low_bits(args64, rng_fill), _fill_low_bits(ct64, rng_fill)
-            ref_y_e, ref_g_e, _ = _vjp(reference, "reference", args64e, ct64e)
-            ref_g_e = [np.asarray(g, np.float64) for g in jax.tree.leaves(ref_g_e)]
+            # the reference's float64 VJP: the program of the replicas' oracle (float64_oracle keeps one per function)
+            ref_e = float64_oracle(ref_fwd_and_vjp)(args64e, ct64e)
+            ref_y_e, ref_g_e = ref_e[:n_out], ref_e[n_out:]
             try:
-                out64, grads64_tree, _ = _vjp(fn, "fn", args64e, ct64e)
+                # fn's output dtypes decide without compiling anything: a forward that returns less than float64
+                # for float64 inputs (a Pallas kernel of f32 / bf16) is not re-run
+                if any(y.dtype != jnp.float64 for y in jax.tree.leaves(_abstract_forward(fn, args64e))):
+                    raise _Not64
+                out64, grads64_tree, _ = _vjp(fn, "fn", args64e, ct64e, internal=True)
                 out64_leaves = jax.tree.leaves(out64)
                 if any(jnp.result_type(y) != jnp.float64 for y in out64_leaves):
                     f64_reason = "fn returns lower precision for float64 inputs"
                 else:
                     e64 = max((float(np.max(_normalized_error(np.asarray(y, np.float64), np.asarray(r), m),
                                             initial=0.0))
-                               for y, r, m in zip(out64_leaves, jax.tree.leaves(ref_y_e), m_y)), default=0.0)
+                               for y, r, m in zip(out64_leaves, ref_y_e, m_y)), default=0.0)
                     model64 = prec.f64_model(safety)
                     if e64 <= model64.bound(max(n_y, default=0)):
                         fn64_ok, grads64 = True, [np.asarray(g, np.float64) for g in jax.tree.leaves(grads64_tree)]
@@ -597,6 +648,8 @@ def check_vjp(
                     else:
                         f64_reason = (f"fn accepts float64 but computes coarser inside (forward mismatch "
                                       f"{e64:.1e}*sum|terms|): judged by the error model only")
+            except _Not64:
+                f64_reason = "fn returns lower precision for float64 inputs"
             except Exception as e:  # the function refuses float64: error model only
                 f64_reason = f"fn does not run in float64 ({type(e).__name__}): judged by the error model only"
         if fn64_ok:
@@ -615,7 +668,7 @@ def check_vjp(
         if fd:
             ct64_leaves = jax.tree.leaves(pt_ct)
 
-            @jax.jit
+            @cost.jit
             def loss(*a):
                 ys = jax.tree.leaves(fd_fn(*a))
                 return sum(jnp.vdot(c, y.astype(jnp.float64)) for c, y in zip(ct64_leaves, ys))
@@ -625,10 +678,9 @@ def check_vjp(
                 tol = FD_TOL if fn64_ok else max(FD_TOL, model_lo.bound(n_g[i]))
                 worst_fn, worst_ref, best_h = 0.0, 0.0, None
                 for d in range(fd_directions):
-                    v = jnp.asarray(rng_dir.standard_normal(np.shape(arg_leaves[i])), jnp.float64)
-                    vn = np.asarray(v)
+                    vn = rng_dir.standard_normal(np.shape(arg_leaves[i]))
                     scale = float(np.sum(m_g[i] * np.abs(vn))) or 1.0
-                    fds = _directional_fd(loss, pt_args, i, v, FD_STEPS)
+                    fds = _directional_fd(loss, pt_args, i, vn, FD_STEPS)
                     exact_fn = float(np.vdot(tested.ravel(), vn.ravel()))
                     exact_ref = float(np.vdot(pt_ref_g[i].ravel(), vn.ravel()))
                     errs = [(abs(dv - exact_fn) / scale, h) for h, dv in fds]
@@ -650,12 +702,13 @@ def check_vjp(
         if adjoint:
             t = _white_noise_like(pt_args, rng_adj, jnp.float64)
             try:
-                _, jt = jax.jvp(fn, tuple(pt_args), tuple(t))
+                jt = cost.jit(lambda a, d: jax.jvp(fn, a, d)[1])(tuple(pt_args), tuple(t))
                 jvp_src = "fn's own JVP"
             except Exception:
-                _, jt = jax.jvp(reference, tuple(pt_args), tuple(t))
+                jt = cost.jit(lambda a, d: jax.jvp(reference, a, d)[1])(tuple(pt_args), tuple(t))
                 jvp_src = "the reference's JVP (fn has no forward mode)"
-            lhs = sum(float(jnp.vdot(c, y)) for c, y in zip(jax.tree.leaves(pt_ct), jax.tree.leaves(jt)))
+            lhs = sum(float(np.vdot(np.asarray(c, np.float64).ravel(), np.asarray(y, np.float64).ravel()))
+                      for c, y in zip(jax.tree.leaves(pt_ct), jax.tree.leaves(jt)))
             tested = grads64 if fn64_ok else g_lo
             t_leaves = [np.asarray(x) for x in jax.tree.leaves(t)]
             rhs = sum(float(np.vdot(tl.ravel(), g.ravel())) for tl, g in zip(t_leaves, tested))
@@ -688,11 +741,11 @@ def _structural_checks(pullback, ct, grads, args, names, model, n_g, m_g) -> lis
            if np.shape(g) != np.shape(a) or jnp.result_type(g) != jnp.result_type(a)]
     out.append(Check("cotangent shapes and dtypes", not bad, "; ".join(bad) or "every gradient has its primal's "
                                                                                "shape and dtype"))
-    zero = pullback(jax.tree.map(jnp.zeros_like, ct))
-    nz = [nm for nm, g in zip(names, jax.tree.leaves(zero)) if bool(jnp.any(g != 0))]
+    zero = pullback(jax.tree.map(lambda c: np.zeros(np.shape(c), jnp.result_type(c)), ct))
+    nz = [nm for nm, g in zip(names, jax.tree.leaves(zero)) if bool(np.any(np.asarray(g) != 0))]
     out.append(Check("zero cotangent -> zero gradient", not nz, ("non-zero: " + ", ".join(nz)) if nz else "exact zeros"))
     again = jax.tree.leaves(pullback(ct))
-    twice = jax.tree.leaves(pullback(jax.tree.map(lambda c: 2 * c, ct)))
+    twice = jax.tree.leaves(pullback(jax.tree.map(lambda c: 2 * np.asarray(c), ct)))
     rep_bad, hom_bad = [], []
     for nm, g1, g2, g3, n, m in zip(names, g_leaves, again, twice, n_g, m_g):
         a1, a2, a3 = (np.asarray(x, np.float64) for x in (g1, g2, g3))

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.verify import cost
-from jaxgrad.verify.emulate import at_precision, perturb
+from jaxgrad.verify.emulate import at_precision, perturb_host
+from jaxgrad.verify.magnitude import evaluate
 from jaxgrad.verify.precision import UNIT_ROUNDOFF, dtype_precision
 
 __all__ = ["RoundingSamples", "candidate_precisions", "float64_oracle", "sample_rounding"]
@@ -63,15 +64,24 @@ class RoundingSamples:
 
 
 def float64_oracle(fwd_and_vjp: Callable[..., Any]) -> Callable[..., list[np.ndarray]]:
-    """``(args, ct) -> flat float64 outputs`` of ``fwd_and_vjp`` at HIGHEST precision, compiled once per shape."""
-    compiled = jax.jit(lambda a, c: jax.tree.leaves(fwd_and_vjp(a, c)))
+    """``(args, ct) -> flat float64 outputs`` of ``fwd_and_vjp`` at HIGHEST precision.
+
+    The values come from the magnitude program of ``fwd_and_vjp`` at those shapes
+    (:func:`jaxgrad.verify.magnitude.evaluate`: the reference's own operations, with their sums of |terms| beside),
+    compiled once for the magnitudes of ``check_vjp`` and shared by the oracle at the replicas' points and by the
+    float64 re-run: one compilation, not three."""
 
     def oracle(args, ct):
         with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-            to64 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), t)  # noqa: E731
-            return [np.asarray(v, np.float64) for v in compiled(to64(args), to64(ct))]
+            return [np.asarray(v, np.float64) for v in evaluate(fwd_and_vjp, _host64(args), _host64(ct))]
 
     return oracle
+
+
+def _host64(tree):
+    """Every leaf in float64, converted on the host (exact from any narrower float; no device program per dtype)."""
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.float64
+                        else np.asarray(x).astype(np.float64), tree)
 
 
 def sample_rounding(fwd_and_vjp: Callable[..., Any], args: tuple, ct: Any, precision: str, replicas: int,
@@ -88,10 +98,10 @@ def sample_rounding(fwd_and_vjp: Callable[..., Any], args: tuple, ct: Any, preci
     any64 = any(jnp.result_type(x) == jnp.float64 for x in jax.tree.leaves((args, ct)))
     with jax.enable_x64(any64), cost.stage("replicas"):
         emulated, loops = at_precision(fwd_and_vjp, precision, args, ct, reorder=True)
-        points = [(perturb(args, precision, rng), perturb(ct, precision, rng)) for _ in range(replicas)]
+        points = [(perturb_host(args, precision, rng), perturb_host(ct, precision, rng)) for _ in range(replicas)]
         seeds = rng.integers(0, 2**31 - 1, size=replicas)
-        low = [[np.asarray(v, np.float64) for v in emulated(np.int32(s), a, c)] for s, (a, c) in zip(seeds, points)]
+        low = emulated.replicas(seeds, points)  # per flat output, [K, *shape]: K runs of one compiled program
     with cost.stage("replicas' float64 oracle"):
         high = [oracle(a, c) for a, c in points]
-    errors = [np.stack([lo[j] - hi[j] for lo, hi in zip(low, high)]) for j in range(len(low[0]))]
+    errors = [lo - np.stack([hi[j] for hi in high]) for j, lo in enumerate(low)]
     return RoundingSamples(precision, errors, loops)

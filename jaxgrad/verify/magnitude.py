@@ -35,12 +35,14 @@ The interpreter is itself ordinary JAX code and is jit-compiled; run it in float
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lax import lax as lax_internal
 from jax.extend import core as jcore
 
 from jaxgrad.verify import cost
@@ -49,7 +51,7 @@ from jaxgrad.verify.interpreted import (_CALLS, _DATA_MOVEMENT, _ELEMENTWISE_SEL
                                         _contraction_size, _zeros_like_kink, is_float)
 from jaxgrad.verify.kinks import _BOOL_LOGIC, _COMPARISONS, EXP_SATURATION, SATURATED_JUMP, KinkRules
 
-__all__ = ["MagnitudeResult", "magnitudes", "EXP_SATURATION", "SATURATED_JUMP"]
+__all__ = ["MagnitudeResult", "evaluate", "magnitudes", "EXP_SATURATION", "SATURATED_JUMP"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,33 +235,133 @@ def magnitudes(fn: Callable[..., Any], *args: Any, kink_bound: Callable[[int], f
 
     Returns:
       A :class:`MagnitudeResult` over the flattened outputs.
+
+    One program per ``fn`` and argument shapes serves every call: the interpreter is traced once with the kink
+    rules on and the radii ``r(N)`` as arguments (a call without ``kink_bound`` reads its values and magnitudes,
+    which the kink rules do not touch), and compiled once; the program is kept while ``fn`` lives, so the plain pass
+    of ``check_vjp`` and its kink pass under each precision hypothesis share one compilation.
     """
     with cost.stage("magnitudes" if kink_bound is None else "kink magnitudes"):
-        return _magnitudes(fn, args, kink_bound)
+        return _program(fn, args).result(args, kink_bound)
 
 
-def _magnitudes(fn, args, kink_bound) -> MagnitudeResult:
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    flat_args = jax.tree.leaves(args)
-    interp = _Interpreter(kink_bound)
-    n_holder: list[list[int]] = []
+def evaluate(fn: Callable[..., Any], *args: Any) -> list[jax.Array]:
+    """``fn(*args)``'s flat outputs, computed by the magnitude program of ``fn`` at these argument shapes (the same
+    operations; compiled once and shared with :func:`magnitudes`): the float64 oracle at many points without a
+    compilation of its own."""
+    return _program(fn, args).values(args)
 
-    def run(consts, flat):
-        ins = [_State(a, jnp.abs(a) if is_float(a) else None, 0, None, True) for a in flat]
-        outs = interp.run(closed.jaxpr, consts, ins)
-        n_holder.append([s.n for s in outs])
-        kinks = [s.kink.astype(jnp.result_type(s.val)) if (s.kink is not None and is_float(s.val))
-                 else jnp.zeros(jnp.shape(s.val)) for s in outs]
-        uncertain = sum(interp.uncertain, jnp.zeros((), jnp.int32))
-        return ([s.val for s in outs], [s.mag if s.mag is not None else jnp.zeros(jnp.shape(s.val)) for s in outs],
-                kinks, uncertain)
 
-    values, mags, kinks, uncertain = jax.jit(run)(closed.consts, flat_args)
-    result = MagnitudeResult(values=list(values), magnitudes=list(mags), terms=n_holder[-1],
-                             approximated=tuple(sorted(interp.approximated)),
-                             rounded_comparisons=tuple(sorted(interp.rounded_comparisons)))
-    if kink_bound is not None:
-        result = dataclasses.replace(result, kinks=list(kinks),
-                                     kink_counts=[int(np.count_nonzero(np.asarray(k))) for k in kinks],
-                                     uncertain_comparisons=int(uncertain))
-    return result
+class _Radii:
+    """``kink_bound`` while tracing: ``r(N)`` is entry ``slot(N)`` of the radii argument, weakly typed like the
+    Python float it stands for (it takes each operand's dtype), so one compiled program serves every bound."""
+
+    def __init__(self, vector, capacity: int):
+        self.vector, self.capacity = vector, capacity
+        self.slots: dict[int, int] = {}  # N -> entry of the radii argument, in the order first asked
+
+    def __call__(self, n) -> Any:
+        n = int(n)
+        if n not in self.slots:
+            if len(self.slots) >= self.capacity:
+                raise AssertionError(f"magnitudes: more than {self.capacity} distinct accumulation lengths")
+            self.slots[n] = len(self.slots)
+        r = self.vector[self.slots[n]]
+        return lax_internal._convert_element_type(r, r.dtype, weak_type=True)
+
+
+class _KinkInterpreter(_Interpreter):
+    """The interpreter in kink mode that also records which comparisons the plain mode would call rounded (a
+    comparison of two exact operands that carry a jump counts in kink mode only)."""
+
+    def __init__(self, kink_bound):
+        super().__init__(kink_bound)
+        self.plain_rounded: set[str] = set()
+
+    def _comparison_kink(self, prim, ins):
+        a, b = ins
+        if is_float(a.val) and is_float(b.val) and not (a.exact and b.exact):
+            self.plain_rounded.add(prim)
+        return super()._comparison_kink(prim, ins)
+
+    def _exp_saturation(self, a, y, k_first_order):
+        self.plain_rounded.add("exp")
+        return super()._exp_saturation(a, y, k_first_order)
+
+
+def _count_eqns(jaxpr: jcore.Jaxpr) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            n += _count_eqns(sub)
+    return n
+
+
+class _Program:
+    """The magnitude interpreter of one ``fn`` at one argument signature, traced and compiled once (module doc of
+    :func:`magnitudes`)."""
+
+    def __init__(self, fn, args):
+        closed = jax.make_jaxpr(fn)(*args)
+        self.consts = closed.consts
+        self.capacity = 2 * _count_eqns(closed.jaxpr) + 2  # r(N) is asked at most twice per equation
+        self.dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+        interp: _KinkInterpreter | None = None
+        radii: _Radii | None = None
+        n_holder: list[list[int]] = []
+
+        def run(consts, flat, vector):
+            nonlocal interp, radii
+            radii = _Radii(vector, self.capacity)
+            interp = _KinkInterpreter(radii)
+            ins = [_State(a, jnp.abs(a) if is_float(a) else None, 0, None, True) for a in flat]
+            outs = interp.run(closed.jaxpr, consts, ins)
+            n_holder.append([s.n for s in outs])
+            kinks = [s.kink.astype(jnp.result_type(s.val)) if (s.kink is not None and is_float(s.val))
+                     else jnp.zeros(jnp.shape(s.val)) for s in outs]
+            uncertain = sum(interp.uncertain, jnp.zeros((), jnp.int32))
+            return ([s.val for s in outs],
+                    [s.mag if s.mag is not None else jnp.zeros(jnp.shape(s.val)) for s in outs], kinks, uncertain)
+
+        flat = jax.tree.leaves(args)
+        self.compiled = cost.jit(run).trace(self.consts, flat, np.zeros(self.capacity, self.dtype)).lower().compile()
+        self.terms = n_holder[-1]
+        self.slots = dict(radii.slots)
+        self.approximated = tuple(sorted(interp.approximated))
+        self.rounded = tuple(sorted(interp.rounded_comparisons))
+        self.plain_rounded = tuple(sorted(interp.plain_rounded))
+
+    def values(self, args) -> list[jax.Array]:
+        return list(self.compiled(self.consts, jax.tree.leaves(args), np.ones(self.capacity, self.dtype))[0])
+
+    def result(self, args, kink_bound) -> MagnitudeResult:
+        vector = np.ones(self.capacity, self.dtype)
+        if kink_bound is not None:
+            for n, slot in self.slots.items():
+                vector[slot] = kink_bound(n)
+        values, mags, kinks, uncertain = self.compiled(self.consts, jax.tree.leaves(args), vector)
+        if kink_bound is None:
+            return MagnitudeResult(values=list(values), magnitudes=list(mags), terms=list(self.terms),
+                                   approximated=self.approximated, rounded_comparisons=self.plain_rounded)
+        return MagnitudeResult(values=list(values), magnitudes=list(mags), terms=list(self.terms),
+                               approximated=self.approximated, rounded_comparisons=self.rounded, kinks=list(kinks),
+                               kink_counts=[int(np.count_nonzero(np.asarray(k))) for k in kinks],
+                               uncertain_comparisons=int(uncertain))
+
+
+# fn -> {argument signature and configuration: its program}; an entry goes with its fn
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _program(fn, args) -> _Program:
+    leaves, treedef = jax.tree.flatten(args)
+    key = (treedef, tuple((np.shape(x), jnp.result_type(x), getattr(x, "weak_type", False)) for x in leaves),
+           bool(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision))
+    try:
+        per_fn = _PROGRAMS.setdefault(fn, {})
+    except TypeError:  # not weakly referenceable (a builtin): no memo
+        return _Program(fn, args)
+    if key not in per_fn:
+        per_fn[key] = _Program(fn, args)
+    return per_fn[key]
