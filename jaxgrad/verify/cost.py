@@ -8,14 +8,18 @@ replicas' points); a lap does not count again what a stage inside it recorded. T
 included. Outside a recording both cost one ``perf_counter`` call and record nothing.
 
 **The verifier's own programs** (:func:`jit`). A verdict runs each of its programs a few times on small inputs, so
-their compilation, not their run, is the cost: the magnitude pass, the emulated replicas, the float64 oracle, the
-float64 re-run, the finite differences and the adjoint test are compiled with ``COMPILER_OPTIONS``: LLVM at
-optimisation level 0 (the CPU compile of the bf16 LoRA block's magnitude program: 9.3 s -> 2.7 s on a loaded 2-core
-machine, its run as fast) and, on a GPU, no autotuning of the products (XLA then takes its default algorithm for
-each) and the program's kernels compiled on every host core (``xla_gpu_force_compilation_parallelism``; on an H100
-with 16 cores the block's magnitude program 8.7 s -> 3.8 s, its emulated replicas 5.4 s -> 1.9 s). None of them
-changes what is computed (no reassociation or fast-math either way; the CPU results are bit-identical); the run of
-``fn`` as called, whose rounding is under test, is compiled as the user's own code is, with defaults.
+their compilation, not their run, is the cost. The magnitude program (also the float64 oracle), the emulated
+replicas, fn's float64 re-run, the finite differences and the adjoint test are compiled with :func:`options`:
+
+* on the CPU, LLVM at optimisation level 0 (the bf16 LoRA block's magnitude program: 9.3 s -> 2.7 s on a loaded
+  2-core machine, its run as fast; the block's results are bit-identical: the optimisation level does not change
+  XLA's floating-point semantics, no reassociation or contraction at any level);
+* on a GPU, the products go to cuBLAS with its default algorithm: no Triton GEMM fusions and no autotuning (a Triton
+  kernel is compiled for every product and every candidate tiling: the block's magnitude program 7.4 s -> 3.7 s,
+  its replicas 3.7 s -> 1.7 s on an H100), and the kernels are compiled on every host core. The products are still
+  f32-accumulated GEMMs at the precision the program asks (HIGHEST in the replicas), as a kernel computes them.
+
+The run of ``fn`` as called, whose rounding is under test, is compiled as the user's own code is, with defaults.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["COMPILER_OPTIONS", "jit", "lap", "recording", "stage"]
+__all__ = ["COMPILER_OPTIONS", "jit", "lap", "options", "recording", "stage"]
 
 
 def _cpus() -> int:
@@ -39,14 +43,22 @@ def _cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-# XLA options of the verifier's own programs (module doc)
-COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0,
-                                    "xla_gpu_force_compilation_parallelism": _cpus()}
+# XLA options of the verifier's own programs, per platform (module doc)
+COMPILER_OPTIONS: dict[str, dict[str, Any]] = {
+    "cpu": {"xla_backend_optimization_level": 0},
+    "gpu": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+            "xla_gpu_force_compilation_parallelism": _cpus()},
+}
+
+
+def options(platform: str | None = None) -> dict[str, Any]:
+    """The options of :data:`COMPILER_OPTIONS` for ``platform`` (default: JAX's default backend); none elsewhere."""
+    return dict(COMPILER_OPTIONS.get(platform or jax.default_backend(), {}))
 
 
 def jit(fun: Callable[..., Any], **kwargs: Any) -> Any:
-    """``jax.jit`` with ``COMPILER_OPTIONS``: for a program the verifier itself runs (module doc)."""
-    return jax.jit(fun, compiler_options=COMPILER_OPTIONS, **kwargs)
+    """``jax.jit`` with :func:`options`: for a program the verifier itself runs (module doc)."""
+    return jax.jit(fun, compiler_options=options(), **kwargs)
 
 
 class _Recording:
