@@ -591,18 +591,14 @@ def _f(a):
     ((_f, _f, jnp.ones(3)), dict(precision="ultra"), "precision must be one of"),
     ((_f, lambda a: a[:2], jnp.ones(3)), {}, "fn returns shape \\(3,\\) but reference returns shape \\(2,\\)"),
     ((_f, _f, jnp.ones(3)), dict(cotangent=jnp.ones(4)), "'cotangent' must have fn's output structure"),
-    pytest.param((_f, _f, jnp.ones(3)), dict(fd_directions=0), "fd_directions", marks=xfail(
-        "jaxgrad/verify/core.py: fd_directions=0 is not checked (raw TypeError 'unsupported format string passed "
-        "to NoneType.__format__' while formatting the report)")),
-    pytest.param((_f, _f, jnp.ones(3)), dict(safety=0), "safety", marks=xfail(
-        "jaxgrad/verify/core.py: safety=0 is not checked (ZeroDivisionError)")),
-    pytest.param((_f, _f, jnp.ones(3)), dict(safety=-1), "safety", marks=xfail(
-        "jaxgrad/verify/core.py: a negative safety factor is accepted (every bound negative: a FAIL verdict for a "
-        "correct VJP)")),
-    pytest.param((_f, _f, jnp.ones(3)), dict(replicas=0), "replicas", marks=xfail(
-        "jaxgrad/verify/core.py: replicas=0 (or negative) is accepted silently")),
-    pytest.param((_f, _f, jnp.ones(3)), dict(seed=-1), "seed", marks=xfail(
-        "jaxgrad/verify/core.py: a negative seed fails inside NumPy ('expected non-negative integer', no name)")),
+    ((_f, _f, jnp.ones(3)), dict(fd_directions=0), "fd_directions"),
+    ((_f, _f, jnp.ones(3)), dict(safety=0), "safety"),
+    ((_f, _f, jnp.ones(3)), dict(safety=-1), "safety"),
+    ((_f, _f, jnp.ones(3)), dict(safety=float("nan")), "safety"),
+    ((_f, _f, jnp.ones(3)), dict(replicas=0), "replicas"),
+    ((_f, _f, jnp.ones(3)), dict(replicas=7), "replicas"),
+    ((_f, _f, jnp.ones(3)), dict(seed=-1), "seed"),
+    ((_f, _f, jnp.ones(3)), dict(seed=1.5), "seed"),
 ]))
 def test_check_vjp(args, kwargs, names):
     from jaxgrad.verify import check_vjp

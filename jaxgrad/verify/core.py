@@ -98,6 +98,24 @@ def _validate_args(fn, reference, args) -> None:
             raise ValueError(f"check_vjp: argument leaf {name} contains NaN or Inf")
 
 
+def _validate_options(seed, safety, fd, fd_directions, replicas) -> None:
+    """The numeric options, named when out of range (each would otherwise fail deep inside, or pass silently)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"check_vjp: 'seed' must be a non-negative integer, got {seed!r}")
+    if isinstance(safety, bool) or not isinstance(safety, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(safety) or safety <= 0:
+        raise ValueError(f"check_vjp: 'safety' (the constant C of the rounding bound) must be a finite number > 0, "
+                         f"got {safety!r}")
+    if fd and (isinstance(fd_directions, bool) or not isinstance(fd_directions, (int, np.integer))
+               or fd_directions < 1):
+        raise ValueError(f"check_vjp: 'fd_directions' must be an integer >= 1 (or pass fd=False), got "
+                         f"{fd_directions!r}")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer))
+                                 or replicas < 8):
+        raise ValueError(f"check_vjp: 'replicas' (the rounding samples of the statistical verdict) must be an "
+                         f"integer >= 8, or None for the default, got {replicas!r}")
+
+
 def _all_finite32(x) -> bool:
     """Every entry finite once in float32 (as the verifier's float32 runs see it), tested on the host."""
     with np.errstate(over="ignore", invalid="ignore"):
@@ -387,6 +405,7 @@ def check_vjp(
       A :class:`~jaxgrad.verify.report.VJPReport`; ``report.passed`` is the verdict, ``print(report)`` the table.
     """
     _validate_args(fn, reference, args)
+    _validate_options(seed, safety, fd, fd_directions, replicas)
     label = name or f"{getattr(fn, '__name__', 'fn')} vs {getattr(reference, '__name__', 'reference')}"
     names = _leaf_names(args, arg_names)
     arg_leaves = jax.tree.leaves(args)
