@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# jaxgrad on a GPU, in stages that each fit a 10-minute run; every stage writes its log (with a header: device,
+# versions, commit, dirty flag, command line) into one dated folder.
+#
+#   bash scripts/gpu_check.sh tests                        # every test marked `gpu`
+#   bash scripts/gpu_check.sh tests tests/test_attention_masks.py tests/test_verify_program_precision.py
+#   bash scripts/gpu_check.sh verify                       # the cost of a verdict (block backends xla, mosaic)
+#   bash scripts/gpu_check.sh false-alarms                 # the verifier's mixed-precision false-alarm sweep
+#   bash scripts/gpu_check.sh audit                        # `jaxgrad audit` on the GPU
+#   bash scripts/gpu_check.sh bench lora attention         # benchmark suites (scripts/bench.py)
+#   GPU_CHECK_OUT=/tmp/x bash scripts/gpu_check.sh ...     # the folder (default runs/gpu-check/<UTC date-time>)
+#
+# Environment: GPU_CHECK_BUDGET_S (seconds a stage may take, default 540), FALSE_ALARM_RUNS (default 200),
+# FALSE_ALARM_JOBS (worker processes sharing the GPU, default 8: a verdict's time is mostly compilation, on the CPU),
+# JAXGRAD_COMMIT / JAXGRAD_DIRTY (the commit measured, where the tree is a copy without its .git).
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  NCCL_NVLS_ENABLE=0
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+DIR=${GPU_CHECK_OUT:-runs/gpu-check/$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$DIR"
+COMMIT=${JAXGRAD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+DIRTY=${JAXGRAD_DIRTY:-$( [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo yes || echo no)}
+export JAXGRAD_COMMIT=$COMMIT JAXGRAD_DIRTY=$DIRTY
+
+header() {  # $1: the command line the log is for
+  echo "# device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo none);" \
+       "$($PY -c 'import jax, sys; print("jax", jax.__version__, "python", sys.version.split()[0])')"
+  echo "# commit $COMMIT (uncommitted changes: $DIRTY); date $(date -u +%Y-%m-%dT%H:%M:%SZ); command: $1"
+}
+
+run_logged() {  # $1: log name; the rest: the command, run under the stage's time budget
+  local log="$DIR/$1.log"; shift
+  { header "$*"; timeout "$BUDGET" "$@"; echo "# exit status $? after $SECONDS s"; } > "$log" 2>&1
+  tail -n 3 "$log"
+}
+
+stage=${1:-}
+[ $# -gt 0 ] && shift
+case "$stage" in
+  tests)
+    run_logged gpu-tests "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider "${@:-tests}" ;;
+  verify)
+    for backend in xla mosaic; do
+      run_logged "verify-cost-$backend" "$PY" scripts/verify_cost.py --backend "$backend" --repeats 2 \
+        --json "$DIR/verify-cost-$backend.json"
+    done ;;
+  false-alarms)
+    run_logged verify-false-alarms-mixed "$PY" scripts/verify_false_alarms.py --mode mixed \
+      --n "${FALSE_ALARM_RUNS:-200}" --jobs "${FALSE_ALARM_JOBS:-8}" --budget-s "$((BUDGET - 30))" --out "$DIR" ;;
+  audit)
+    run_logged audit "$PY" -m jaxgrad.cli audit --json "$DIR/audit.json" ;;
+  bench)
+    for suite in "${@:-lora}"; do
+      run_logged "bench-$suite" "$PY" scripts/bench.py "$suite" --out "$DIR"
+    done ;;
+  *)
+    echo "usage: bash scripts/gpu_check.sh tests [FILES...] | verify | false-alarms | audit | bench [SUITES...]" >&2
+    exit 2 ;;
+esac
+echo "wrote $DIR"
