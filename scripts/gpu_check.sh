@@ -12,6 +12,7 @@
 #
 # Environment: GPU_CHECK_BUDGET_S (seconds a stage may take, default 540), FALSE_ALARM_RUNS (default 200),
 # FALSE_ALARM_JOBS (worker processes sharing the GPU, default 8: a verdict's time is mostly compilation, on the CPU),
+# FALSE_ALARM_SEED (default 0), FALSE_ALARM_PLANTED_SHARE (default 0.5),
 # JAXGRAD_COMMIT / JAXGRAD_DIRTY (the commit measured, where the tree is a copy without its .git).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -49,7 +50,8 @@ case "$stage" in
     done ;;
   false-alarms)
     run_logged verify-false-alarms-mixed "$PY" scripts/verify_false_alarms.py --mode mixed \
-      --n "${FALSE_ALARM_RUNS:-200}" --jobs "${FALSE_ALARM_JOBS:-8}" --budget-s "$((BUDGET - 30))" --out "$DIR" ;;
+      --n "${FALSE_ALARM_RUNS:-200}" --jobs "${FALSE_ALARM_JOBS:-8}" --seed "${FALSE_ALARM_SEED:-0}" \
+      --planted-share "${FALSE_ALARM_PLANTED_SHARE:-0.5}" --budget-s "$((BUDGET - 30))" --out "$DIR" ;;
   audit)
     run_logged audit "$PY" -m jaxgrad.cli audit --json "$DIR/audit.json" ;;
   bench)

@@ -21,7 +21,8 @@ nor a false alarm, and is counted apart.
 (``jaxgrad.verify.calibration.make_mixed_case``: an XLA dot or a conv -- cuDNN on a GPU -- with the forward at f32 /
 TF32 / bf16 and the backward at bf16 / TF32 / f16, f32 arrays, ``MIXED_PAIRS``), natively on a GPU (TF32 is the
 GPU's own; on a CPU it is emulated). Half the runs plant a scale error in one gradient at the documented target for
-the coarser of the two precisions (1% at bf16, 0.2% at TF32 / f16): each must be caught on that gradient.
+the coarser of the two precisions (1% at bf16, 0.2% at TF32 / f16): each must be caught on that gradient
+(``--planted-share`` sets the share).
 
 Writes ``<out>/verify-false-alarms-<mode>-<device>-<stamp>.{json,txt}`` unless ``--no-write``; ``--out`` defaults to
 ``runs/bench`` under the current directory (git-ignored in a checkout, so a run never changes the repository;
@@ -51,14 +52,14 @@ DEFAULT_OUT = "runs/bench"
 PLANTED_TARGET = {"bf16": 0.01, "f16": 0.002, "tf32": 0.002, "f32": 1e-5}
 
 
-def draw(i: int, seed: int, mode: str) -> dict:
+def draw(i: int, seed: int, mode: str, planted_share: float = 0.5) -> dict:
     rng = np.random.default_rng([seed, i])
     if mode == "mixed":
         from jaxgrad.verify.calibration import MIXED_PAIRS
         from jaxgrad.verify.program_precision import coarser
 
         fw, bw = MIXED_PAIRS[int(rng.integers(len(MIXED_PAIRS)))]
-        planted = PLANTED_TARGET[coarser(fw, bw)] if rng.random() < 0.5 else 0.0
+        planted = PLANTED_TARGET[coarser(fw, bw)] if rng.random() < planted_share else 0.0
         return {"i": i, "op": ["dense", "conv"][int(rng.integers(2))], "size": int(2 ** rng.uniform(6, 14)),
                 "precision": f"{fw}>{bw}", "cancel": False, "planted": planted, "leaf": int(rng.integers(2)),
                 "seed": int(rng.integers(2**31))}
@@ -154,12 +155,16 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop taking results after this many seconds and write those that finished (the header "
                          "says how many of --n ran)")
+    ap.add_argument("--planted-share", type=float, default=0.5,
+                    help="mixed mode: the share of runs with a planted error (default %(default)s)")
     ap.add_argument("--indices", nargs="+", type=int, default=None,
                     help="replay only these runs of --seed's draws (e.g. a false alarm, after a fix)")
     a = ap.parse_args(argv)
     if a.mode == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    cfgs = [draw(i, a.seed, a.mode) for i in (range(a.n) if a.indices is None else a.indices)]
+    if not 0.0 <= a.planted_share <= 1.0:
+        ap.error(f"--planted-share must lie in [0, 1], got {a.planted_share}")
+    cfgs = [draw(i, a.seed, a.mode, a.planted_share) for i in (range(a.n) if a.indices is None else a.indices)]
     if a.indices is not None:
         a.n = len(cfgs)
     t0 = time.time()

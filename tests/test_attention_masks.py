@@ -305,7 +305,7 @@ def test_gpu_cudnn_attention_equals_the_reference_for_every_mask_bf16(t):
             what = f"cudnn {name} seq {t} key_lengths={key_lengths}"
             assert_close(o, o_ref, 2e-2, what + " o")
             assert bool(jnp.all(o[no_key_rows(mask)] == 0)), what
-            for n, g, w in zip("qkv", pull(ct), pull_ref(ct)):
+            for n, g, w in zip("qkv", pull(ct), pull_ref(up(ct))):
                 assert_close(g, w, 3e-2, f"{what} d{n}")
 
 

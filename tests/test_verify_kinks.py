@@ -233,7 +233,7 @@ def _trend_reports(rel_errs, ref_rel_errs, flip_free, kink_spread):
                             beta=0.0, beta_sigma=1e-4, beta_limit=1e-3, entry_z=1.0, entry_limit=7.0, entry_index=(0,),
                             slice_ratio=0.1, slice_where="", failed=(), kink_spread=kink_spread, flip_free_ratio=ff)
         leaf = NS(name="x", run="tf32", rel_err=rel, ref_rel_err=ref, stats=st)
-        reports.append(NS(precision=NS(precision="tf32"), leaves=[leaf], leaf=lambda name, run, lf=leaf: lf))
+        reports.append(NS(precision=NS(precision="tf32"), leaves=[leaf], as_called=lambda name, lf=leaf: lf))
     return reports
 
 

@@ -170,13 +170,14 @@ def _vjp(f, what, args, ct, internal: bool = False):
     return out, grads, pullback
 
 
-def _program_precision(f, args, ct, platform: str, notes: list[str]):
+def _program_precision(f, args, ct, platform: str, notes: list[str], compiled=None):
     """The precision of each flat output of ``f``'s forward and VJP as called (forward outputs, then gradients),
     from its jaxpr and XLA's optimized HLO (:mod:`jaxgrad.verify.program_precision`); None, with a note, where the
     program cannot be read (the forward's precision then stands for every gradient)."""
     try:
+        text = compiled.as_text() if compiled is not None else None  # the as-called program: not compiled again
         return program_precisions(lambda a, c: (lambda y_pb: (y_pb[0], y_pb[1](c)))(jax.vjp(f, *a)), args, ct,
-                                  platform=platform)
+                                  platform=platform, hlo_text=text)
     except Exception as e:  # a program the analysis cannot read: judged as before, at the forward's precision
         notes.append(f"the precision of each gradient could not be read from fn's program ({type(e).__name__}: "
                      f"{str(e).splitlines()[0][:120] if str(e) else ''}); every gradient is judged at the forward's")
@@ -429,7 +430,7 @@ def check_vjp(
     platform = prec.platform_precision()
     checks: list[Check] = []
     notes: list[str] = []
-    prog = _program_precision(fn, args, cotangent, platform[0], notes)
+    prog = _program_precision(fn, args, cotangent, platform[0], notes, getattr(pullback_lo, "compiled", None))
     cost.lap("program precision")
     ct_ref = jax.tree.map(lambda c, o: c if jnp.result_type(c) == o.dtype else
                           jax.device_put(np.asarray(c).astype(o.dtype)), cotangent, ref_out)

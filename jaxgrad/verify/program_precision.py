@@ -400,15 +400,17 @@ def hlo_precisions(hlo_text: str, platform: str = "f32") -> list[P]:
     return out
 
 
-def program_precisions(f: Callable[..., Any], *args: Any, platform: str = "f32") -> list[OutputPrecision]:
+def program_precisions(f: Callable[..., Any], *args: Any, platform: str = "f32",
+                       hlo_text: str | None = None) -> list[OutputPrecision]:
     """The precision of each flat output of ``f(*args)``: asked by its jaxpr, kept by XLA (module doc).
 
-    The HLO is the optimized program ``jax.jit(f)`` compiles to on the default device; where it cannot be read
-    (or its outputs do not line up with the jaxpr's), ``kept`` is None and the jaxpr alone decides."""
+    ``hlo_text``: the optimized HLO of ``f`` as the caller compiled it (``compiled.as_text()``); by default the
+    program ``jax.jit(f)`` compiles to on the default device. Where it cannot be read (or its outputs do not line up
+    with the jaxpr's), ``kept`` is None and the jaxpr alone decides."""
     asked = jaxpr_precisions(f, *args, platform=platform)
     kept: list[P] | None
     try:
-        text = jax.jit(f).lower(*args).compile().as_text()
+        text = hlo_text if hlo_text is not None else jax.jit(f).lower(*args).compile().as_text()
         kept = hlo_precisions(text, platform)
         if len(kept) != len(asked):
             kept = None
