@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxgrad.checks import check_precision
+
 Padding = str | int | Sequence[tuple[int, int]]
 DIMENSION_NUMBERS = ("NHWC", "HWIO", "NHWC")
 ACTIVATIONS = (None, "relu")
@@ -59,27 +61,6 @@ def _pair(value: Any, name: str, minimum: int) -> tuple[int, int]:
     if len(pair) != 2 or any(v < minimum for v in pair) or any(int(v) != v for v in value):
         raise ValueError(f"conv2d: {name} must be an int or a pair of ints >= {minimum}, got {value!r}")
     return pair
-
-
-def check_precision(precision: Any, where: str = "conv2d") -> None:
-    """``precision`` must be what ``lax`` accepts: ``None``, a ``jax.lax.Precision``, one of its names
-    (``"highest"``, ``"float32"``, ``"high"``, ``"tensorfloat32"``, ``"default"``, ...), or a pair of them."""
-    def ok(p):
-        if p is None or isinstance(p, jax.lax.Precision):
-            return True
-        if isinstance(p, str):
-            try:
-                jax.lax.Precision(p)
-                return True
-            except ValueError:
-                return False
-        return False
-
-    pair = isinstance(precision, (tuple, list)) and len(precision) == 2 and all(ok(p) for p in precision)
-    if not (ok(precision) or pair or isinstance(precision, getattr(jax.lax, "DotAlgorithmPreset", ()))):
-        raise ValueError(f"{where}: 'precision' must be None, a jax.lax.Precision, one of 'default', 'high', "
-                         f"'highest' (or 'bfloat16', 'tensorfloat32', 'float32', ...) or a pair of them, got "
-                         f"{precision!r}")
 
 
 def resolve_padding(padding: Padding, in_hw: Sequence[int], kernel_hw: Sequence[int],
@@ -379,7 +360,7 @@ def conv2d(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, stride: in
         raise ValueError(f"conv2d: backend must be one of {BACKENDS}, got {backend!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"conv2d: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check_precision(precision)
+    check_precision(precision, "conv2d")
     stride, dilation = _pair(stride, "stride", 1), _pair(dilation, "dilation", 1)
     pads = resolve_padding(padding, x.shape[1:3], w.shape[:2], stride, dilation)
     _check_geometry(x.shape, w.shape, stride, pads, dilation)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxgrad.checks import check_float_dtype, check_key
 from jaxgrad.cnn.conv import conv2d
 
 Params = list[dict[str, jax.Array]]
@@ -60,26 +61,6 @@ class DenoiserConfig:
 
 def _not_int(v: Any) -> bool:
     return isinstance(v, bool) or not isinstance(v, (int, np.integer))
-
-
-def check_key(key: Any, where: str) -> None:
-    """``key`` must be a JAX PRNG key: ``jax.random.key(seed)`` or the legacy ``jax.random.PRNGKey(seed)``."""
-    dtype = getattr(key, "dtype", None)
-    if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-                              or (dtype == np.uint32 and getattr(key, "shape", ())[-1:] in ((2,), (4,)))):
-        return
-    what = f"an array of {dtype} {tuple(key.shape)}" if dtype is not None and hasattr(key, "shape") else \
-        f"{type(key).__name__} {key!r}"
-    raise TypeError(f"{where}: 'key' must be a JAX PRNG key (jax.random.key(seed)), got {what}")
-
-
-def check_float_dtype(dtype: Any, where: str) -> None:
-    try:
-        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise TypeError(f"{where}: 'dtype' must be a floating dtype (float32, bfloat16, float64), got {dtype!r}")
 
 
 def init(key: jax.Array, cfg: DenoiserConfig = DenoiserConfig(), dtype: Any = jnp.float32) -> Params:

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.checks import check_float_dtype, check_key, check_precision
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
@@ -87,47 +88,6 @@ def _is_real(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
 
 
-def check_key(key, where: str) -> None:
-    """``key`` must be a JAX PRNG key: ``jax.random.key(seed)`` or the legacy ``jax.random.PRNGKey(seed)``."""
-    dtype = getattr(key, "dtype", None)
-    if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-                              or (dtype == np.uint32 and getattr(key, "shape", ())[-1:] in ((2,), (4,)))):
-        return
-    what = f"an array of {dtype} {tuple(key.shape)}" if dtype is not None and hasattr(key, "shape") else \
-        f"{type(key).__name__} {key!r}"
-    raise TypeError(f"{where}: 'key' must be a JAX PRNG key (jax.random.key(seed)), got {what}")
-
-
-def check_float_dtype(dtype, where: str = "KAN init") -> None:
-    try:
-        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        floating = False
-    if not floating:
-        raise TypeError(f"{where}: 'dtype' must be a floating dtype (float32, float64, bfloat16), got {dtype!r}")
-
-
-def check_precision(precision, where: str) -> None:
-    """``precision`` must be what ``lax`` accepts: ``None``, a ``jax.lax.Precision``, one of its names (``"highest"``,
-    ``"float32"``, ``"high"``, ``"default"``, ...) or a pair of them."""
-    def ok(p):
-        if p is None or isinstance(p, jax.lax.Precision):
-            return True
-        if isinstance(p, str):
-            try:
-                jax.lax.Precision(p)
-                return True
-            except ValueError:
-                return False
-        return False
-
-    pair = isinstance(precision, (tuple, list)) and len(precision) == 2 and all(ok(p) for p in precision)
-    if not (ok(precision) or pair or isinstance(precision, getattr(jax.lax, "DotAlgorithmPreset", ()))):
-        raise ValueError(f"{where}: 'precision' must be None, a jax.lax.Precision, one of 'default', 'high', "
-                         f"'highest' (or 'bfloat16', 'tensorfloat32', 'float32', ...) or a pair of them, got "
-                         f"{precision!r}")
-
-
 def _kaiming_uniform(key, shape, fan_in, a, dtype):
     # torch.nn.init.kaiming_uniform_(w, a): bound = gain * sqrt(3 / fan_in), gain = sqrt(2 / (1 + a^2))
     bound = math.sqrt(2.0 / (1.0 + a * a)) * math.sqrt(3.0 / fan_in)
@@ -148,7 +108,7 @@ def init(key: jax.Array, cfg: KANConfig, dtype=jnp.float32) -> dict[str, jax.Arr
                     else f"; e.g. init(key, KANConfig(in_features={cfg}, out_features=...))")
         raise TypeError(f"KAN init: 'cfg' must be a KANConfig, got {type(cfg).__name__} {cfg!r}{hint}")
     check_key(key, "KAN init")
-    check_float_dtype(dtype)
+    check_float_dtype(dtype, "KAN init")
     k_base, k_noise, k_scaler = jax.random.split(key, 3)
     G, k = cfg.grid_size, cfg.spline_order
     grid = make_grid(cfg.in_features, G, k, cfg.grid_range, dtype)

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxgrad.kan.layer import KANConfig, check_float_dtype, check_key, init, kan_linear, kan_linear_reference
+from jaxgrad.checks import check_float_dtype, check_key
+from jaxgrad.kan.layer import KANConfig, init, kan_linear, kan_linear_reference
 from jaxgrad.kan.layer import trainable_mask as _layer_mask
 
 __all__ = ["kan_apply", "kan_apply_reference", "kan_init", "kan_widths", "trainable_mask"]

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.checks import check_key
 from jaxgrad.lora.block import _block_sdpa, block, block_reference
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.ops.attention import check_attention_mask
@@ -50,17 +51,6 @@ def _proj_shapes(cfg: LlamaConfig):
             ("mlp", "gate_proj"): (inter, hid), ("mlp", "up_proj"): (inter, hid), ("mlp", "down_proj"): (hid, inter)}
 
 
-def _check_key(key, where: str) -> None:
-    """``key`` must be a JAX PRNG key: ``jax.random.key(seed)`` or the legacy ``jax.random.PRNGKey(seed)``."""
-    dtype = getattr(key, "dtype", None)
-    if dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-                              or (dtype == np.uint32 and getattr(key, "shape", ())[-1:] in ((2,), (4,)))):
-        return
-    what = f"an array of {dtype} {tuple(key.shape)}" if dtype is not None and hasattr(key, "shape") else \
-        f"{type(key).__name__} {key!r}"
-    raise TypeError(f"{where}: 'key' must be a JAX PRNG key (jax.random.key(seed)), got {what}")
-
-
 def _check_config(value, name: str, expected: type, where: str) -> None:
     if not isinstance(value, expected):
         raise TypeError(f"{where}: '{name}' must be a {expected.__name__}, got {type(value).__name__} "
@@ -72,7 +62,7 @@ def init(key: jax.Array, cfg: LlamaConfig, dtype=jnp.float32, std: float = 0.02)
 
     ``key`` must be a JAX PRNG key and ``cfg`` a :class:`LlamaConfig`; anything else raises a ``TypeError`` naming
     the argument."""
-    _check_key(key, "init")
+    check_key(key, "init")
     _check_config(cfg, "cfg", LlamaConfig, "init")
     n_proj = len(PROJECTIONS)
     keys = jax.random.split(key, 2 + cfg.num_hidden_layers * n_proj)
@@ -104,7 +94,7 @@ def init_lora(key: jax.Array, cfg: LlamaConfig, lcfg: LoraConfig, dtype=jnp.floa
     ``key`` must be a JAX PRNG key, ``cfg`` a :class:`LlamaConfig` and ``lcfg`` a :class:`LoraConfig`; anything
     else raises a ``TypeError`` naming the argument.
     """
-    _check_key(key, "init_lora")
+    check_key(key, "init_lora")
     _check_config(cfg, "cfg", LlamaConfig, "init_lora")
     _check_config(lcfg, "lcfg", LoraConfig, "init_lora")
     shapes = _proj_shapes(cfg)
