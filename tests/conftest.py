@@ -31,3 +31,13 @@ def exact_f32_tests_run_on_the_cpu(request):
         return
     with jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+@pytest.fixture(autouse=True)
+def x64_as_it_was():
+    """Every test leaves ``jax_enable_x64`` as it found it. An in-process ``jaxgrad train`` of a float64 run turns it
+    on process-wide (as the CLI must); left on, a later test in the same worker gets float64 arrays where it made
+    float32 ones (a float64 cotangent for a float32 output, int64 indices beside int32 ones)."""
+    before = jax.config.jax_enable_x64
+    yield
+    jax.config.update("jax_enable_x64", before)

@@ -91,15 +91,6 @@ def user_dir(tmp_path):
     return d
 
 
-@pytest.fixture(autouse=True)
-def x64_as_it_was():
-    """The CLI turns float64 on for a float64 run (process-wide): a refused run must not leave it on for the tests
-    that follow in this process."""
-    before = jax.config.jax_enable_x64
-    yield
-    jax.config.update("jax_enable_x64", before)
-
-
 def xfail(reason: str):
     return pytest.mark.xfail(strict=True, reason=reason)
 
