@@ -23,15 +23,18 @@ def check_key(key: Any, where: str) -> None:
     raise TypeError(f"{where}: 'key' must be a JAX PRNG key (jax.random.key(seed)), got {what}")
 
 
-def check_float_dtype(dtype: Any, where: str) -> None:
-    """``dtype`` must be a floating dtype (an integer cast would truncate the values without a word)."""
+def check_float_dtype(dtype: Any, where: str, allow_none: bool = False) -> None:
+    """``dtype`` must be a floating dtype (an integer cast would truncate the values without a word); with
+    ``allow_none``, ``None`` (keep the stored dtype) too."""
+    if allow_none and dtype is None:
+        return
     try:
         ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
     except TypeError:
         ok = False
     if not ok:
-        raise TypeError(f"{where}: 'dtype' must be a floating dtype (float32, bfloat16, float16, float64), "
-                        f"got {dtype!r}")
+        what = "None (as stored) or a floating dtype" if allow_none else "a floating dtype"
+        raise TypeError(f"{where}: 'dtype' must be {what} (float32, bfloat16, float16, float64), got {dtype!r}")
 
 
 def check_precision(precision: Any, where: str) -> None:

@@ -30,7 +30,10 @@ def _reference(x, w):
 
 
 def _forward_f32_backward_at(fmt, dw_scale=1.0):
-    rnd = lambda a: lax.reduce_precision(a, *fmt)  # noqa: E731
+    """Exact f32 forward; the backward's products with operands rounded to ``fmt`` (at HIGHEST), or at the default
+    precision (``fmt=None``)."""
+    rnd = (lambda a: a) if fmt is None else (lambda a: lax.reduce_precision(a, *fmt))  # noqa: E731
+    prec = None if fmt is None else HI
 
     @jax.custom_vjp
     def f(x, w):
@@ -41,7 +44,7 @@ def _forward_f32_backward_at(fmt, dw_scale=1.0):
 
     def bwd(res, g):
         x, w = res
-        return jnp.dot(rnd(g), rnd(w).T, precision=HI), dw_scale * jnp.dot(rnd(x).T, rnd(g), precision=HI)
+        return jnp.dot(rnd(g), rnd(w).T, precision=prec), dw_scale * jnp.dot(rnd(x).T, rnd(g), precision=prec)
 
     f.defvjp(fwd, bwd)
     return f
@@ -81,28 +84,11 @@ def test_a_wrong_coarse_backward_still_fails(args, fmt, scale):
     assert [lf.name for lf in rep.failures] == ["args[1]"]
 
 
-def _forward_f32_backward_default():
-    """Exact f32 forward; the backward's products at the default precision."""
-    @jax.custom_vjp
-    def f(x, w):
-        return jnp.dot(x, w, precision=HI)
-
-    def fwd(x, w):
-        return f(x, w), (x, w)
-
-    def bwd(res, g):
-        x, w = res
-        return jnp.dot(g, w.T), jnp.dot(x.T, g)
-
-    f.defvjp(fwd, bwd)
-    return f
-
-
 def test_default_precision_products_take_the_platform_default(args):
     from jaxgrad.verify.program_precision import jaxpr_precisions
 
     def vjp(a, c):
-        y, pb = jax.vjp(_forward_f32_backward_default(), *a)
+        y, pb = jax.vjp(_forward_f32_backward_at(None), *a)
         return y, pb(c)
 
     ct = jnp.ones((64, 80), jnp.float32)

@@ -47,6 +47,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.checks import check_float_dtype
 from jaxgrad.lora.config import LlamaConfig
 from jaxgrad.lora.nf4 import NF4Weight, nf4_dequantize, nf4_quantize
 from jaxgrad.lora.peft import MODULE_GROUPS, _check_output_directory, _replacing
@@ -170,20 +171,6 @@ def _shape_of(tensors: Mapping[str, Any], name: str) -> tuple[int, ...]:
     return shape(name) if shape is not None else tuple(np.shape(tensors[name]))
 
 
-def _check_float_dtype(dtype: Any) -> None:
-    """``dtype`` (the cast of every weight) must be ``None`` or a floating dtype: an integer cast would truncate
-    the weights without a word."""
-    if dtype is None:
-        return
-    try:
-        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise TypeError(f"'dtype' must be None (as stored) or a floating dtype (float32, bfloat16, float16, float64), "
-                        f"got {dtype!r}")
-
-
 def _is_projection(name: str) -> bool:
     parts = name.split(".")
     return len(parts) == 6 and parts[1] == "layers" and parts[4] in MODULE_GROUPS
@@ -207,7 +194,7 @@ def params_from_state_dict(
     """
     if quantize not in (None, "nf4"):
         raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
-    _check_float_dtype(dtype)
+    check_float_dtype(dtype, "params_from_state_dict", allow_none=True)
     want = expected_shapes(config)
     for name in tensors:
         if name in want or _is_ignorable_extra(name):
@@ -363,7 +350,7 @@ def load_hf_checkpoint(
         raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
     if quantize not in (None, "nf4"):
         raise ValueError(f"quantize must be None or 'nf4', got {quantize!r}")
-    _check_float_dtype(dtype)
+    check_float_dtype(dtype, "load_hf_checkpoint", allow_none=True)
     config = read_llama_config(directory, **config_overrides)
     tensors = _read_weights(directory)
     params = params_from_state_dict(tensors, config, dtype=dtype, quantize=quantize, blocksize=blocksize,

@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.checks import check_float_dtype
+
 __all__ = [
     "NF4_CODE",
     "NF4_MIDPOINTS",
@@ -402,14 +404,8 @@ def nf4_dequantize(w: NF4Weight, dtype: Any = jnp.float32) -> jax.Array:
     trace it runs as one compiled computation per (shape, blocksize, dtype).
     """
     check_nf4_weight(w)
-    try:
-        target = jnp.dtype(dtype)
-    except TypeError:
-        target = None
-    if target is None or not jnp.issubdtype(target, jnp.floating):
-        raise TypeError(f"nf4_dequantize: 'dtype' must be a floating dtype (float32, bfloat16, float16, float64), got "
-                        f"{dtype!r}")
-    return _dequantize_jit(w, target)
+    check_float_dtype(dtype, "nf4_dequantize")
+    return _dequantize_jit(w, jnp.dtype(dtype))
 
 
 def check_nf4_weight(w: Any, name: str = "w", where: str = "nf4_dequantize") -> None:
