@@ -9,9 +9,9 @@ running a benchmark never changes the repository: the README's tables are genera
 ``benchmarks/results/``, and a result joins them only when asked for, with ``--out benchmarks/results``.
 
 All variants of a suite are timed one after the other in this process (the GPU machines are shared and noisy, so
-only side-by-side numbers are compared). The ``lora`` suite (:mod:`jaxgrad.lora.bench`) runs each variant in a
+only side-by-side numbers are compared). The ``lora`` suite (:mod:`jaxgrad.bench.lora_block`) runs each variant in a
 fresh process instead, one after the other, so that each one's peak device memory is its own; ``--variants`` and
-``--budget-s`` apply to it. So does the ``lora_model`` suite (:mod:`jaxgrad.lora.bench_model`: one whole training
+``--budget-s`` apply to it. So does the ``lora_model`` suite (:mod:`jaxgrad.bench.lora_model`: one whole training
 step of a small Llama with LoRA, tokens/s and peak memory, against transformers + PEFT). Off-GPU the Pallas kernels run in interpret mode, which is slow, so ``--sizes``
 defaults to ``small`` there and to ``full`` on a GPU.
 
@@ -33,7 +33,7 @@ from collections.abc import Callable  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxgrad import benchmarking as bm  # noqa: E402
+from jaxgrad.bench import harness as bm  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3
                budget_s=None) -> list[bm.Row]:
     """One Llama block with LoRA on all 7 projections, fwd+bwd (LoRA grads + dx), bf16: our custom VJP (cuDNN /
     XLA attention, NF4 base), jax.grad of the plain block (cuDNN / XLA attention), transformers + PEFT."""
-    from jaxgrad.lora.bench import suite_lora as run
+    from jaxgrad.bench.lora_block import suite_lora as run
 
     rows, notes = run(sizes, precision, repeats=repeats, warmup=warmup, variants=variants, budget_s=budget_s)
     SUITE_NOTES["lora"] = notes
@@ -388,8 +388,8 @@ def suite_lora_model(sizes: str, precision: str, *, repeats: int = 20, warmup: i
                      budget_s=None) -> list[bm.Row]:
     """One whole training step (embedding, blocks, head, loss, LoRA grads, AdamW) of a small Llama with LoRA, bf16:
     tokens/s and peak memory of our custom VJP (cuDNN attention; Mosaic GPU projections), jax.grad of the plain
-    model, transformers + PEFT; each variant in a fresh process (:mod:`jaxgrad.lora.bench_model`)."""
-    from jaxgrad.lora.bench_model import suite_lora_model as run
+    model, transformers + PEFT; each variant in a fresh process (:mod:`jaxgrad.bench.lora_model`)."""
+    from jaxgrad.bench.lora_model import suite_lora_model as run
 
     rows, notes = run(sizes, precision, repeats=repeats, warmup=warmup, variants=variants, budget_s=budget_s)
     SUITE_NOTES["lora_model"] = notes
@@ -504,8 +504,8 @@ def suite_lora_proj(sizes: str, precision: str, *, repeats: int = 20, warmup: in
 
 def suite_attention(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
     """The block's causal GQA attention fwd+bwd, bf16: cuDNN, our Pallas flash kernels, our XLA VJP, jax.grad
-    (:mod:`jaxgrad.lora.bench_attention`)."""
-    from jaxgrad.lora.bench_attention import suite_attention as run
+    (:mod:`jaxgrad.bench.attention`)."""
+    from jaxgrad.bench.attention import suite_attention as run
 
     return run(sizes, precision, repeats=repeats, warmup=warmup)
 
@@ -583,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants and --budget-s are only implemented for the {' and '.join(FRESH_PROCESS_SUITES)} "
                      f"suites, not {args.suite!r}")
     if args.suite in FRESH_PROCESS_SUITES:  # variants in child processes: this one must not preallocate the GPU
-        from jaxgrad.lora.bench import parent_setup
+        from jaxgrad.bench.lora_block import parent_setup
 
         parent_setup()
     sizes = args.sizes or ("full" if jax.default_backend() == "gpu" else "small")

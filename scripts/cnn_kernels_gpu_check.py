@@ -9,7 +9,7 @@
    sizes and channel pairs, runs the forward (bias + ReLU), input grad and weight grad (ReLU' mask from ``y``) and
    compares them with a float64 ``lax.conv_general_dilated`` / ``jax.vjp`` reference: ``max |err| / M`` where
    ``M = sum |terms|``, against ``k_op u_op + (2 sqrt(n) + 2) u_f32`` (the tests' error model).
-2. **Timings** (median / p10 / p90 ms, ``jaxgrad.benchmarking.time_fn``) at N=2, 1024x1024 (the cryo-EM denoiser
+2. **Timings** (median / p10 / p90 ms, ``jaxgrad.bench.harness.time_fn``) at N=2, 1024x1024 (the cryo-EM denoiser
    1 -> 16 -> 16 -> 1): each kernel for each layer, the same op in XLA, and the whole network's loss + gradient
    (MSE vs a random target; layers 1->16 ReLU, 16->16 ReLU, 16->1) built from the three kernels vs
    ``jax.value_and_grad`` of the plain XLA network, at the same precision. The traffic floor of each kernel
@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxgrad import benchmarking as bm  # noqa: E402
+from jaxgrad.bench import harness as bm  # noqa: E402
 from jaxgrad import pallas_backend as pb  # noqa: E402
 from jaxgrad.cnn import kernels as K  # noqa: E402
 

@@ -28,7 +28,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
-from jaxgrad import benchmarking as bm  # noqa: E402
+from jaxgrad.bench import harness as bm  # noqa: E402
 from jaxgrad.cnn import precision as cp  # noqa: E402
 
 

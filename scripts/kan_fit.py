@@ -53,7 +53,7 @@ jax.config.update("jax_enable_x64", True)
 
 import optax  # noqa: E402
 
-from jaxgrad import benchmarking as bm  # noqa: E402
+from jaxgrad.bench import harness as bm  # noqa: E402
 from jaxgrad.kan.task import KANFit, make_dataset, make_task, refine_params, rmse  # noqa: E402
 from jaxgrad.train import TrainConfig, train_in_memory  # noqa: E402
 

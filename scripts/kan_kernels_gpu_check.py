@@ -10,7 +10,7 @@ For each mode (f32 default precision = TF32 dots on the GPU, f32 HIGHEST, bf16) 
 1. runs the forward, dcoef and dx kernels and compares them with a float64 plain-JAX reference built from
    ``bspline_basis`` / ``bspline_basis_derivative``: ``max |err| / M`` where ``M = sum |terms|`` (the scale of
    rounding error), next to the tolerance the GPU tests use (TF32 8*2^-11, HIGHEST 3e-5, bf16 3*2^-8);
-2. prints median / p10 / p90 wall times (``jaxgrad.benchmarking.time_fn``) of the kernels and of the XLA
+2. prints median / p10 / p90 wall times (``jaxgrad.bench.harness.time_fn``) of the kernels and of the XLA
    reference (``einsum`` over the materialised ``[B, in, G+k]`` basis; backward by the same equations) at the
    same precision, and the matrix-unit rate ``2 B in out (G+k) / t`` of each.
 
@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxgrad import benchmarking as bm  # noqa: E402
+from jaxgrad.bench import harness as bm  # noqa: E402
 from jaxgrad import pallas_backend as pb  # noqa: E402
 from jaxgrad.kan import kernels as K  # noqa: E402
 from jaxgrad.kan.spline import bspline_basis, bspline_basis_derivative, make_grid  # noqa: E402

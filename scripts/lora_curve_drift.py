@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgrad import benchmarking as bm
+from jaxgrad.bench import harness as bm
 from jaxgrad.lora.task import LoraFit, make_task
 from jaxgrad.train import TrainConfig, train_in_memory
 

@@ -84,7 +84,7 @@ def torch_missing() -> str | None:
 def write_results(out_dir: str | None) -> None:
     if not out_dir:
         return
-    from jaxgrad.benchmarking import _jsonable
+    from jaxgrad.bench.harness import _jsonable
 
     path = pathlib.Path(out_dir) / "lora_gpu_check.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def write_results(out_dir: str | None) -> None:
 
 
 def header(args) -> dict:
-    from jaxgrad import benchmarking as bm
+    from jaxgrad.bench import harness as bm
 
     env = bm.environment()
     versions = {}

@@ -5,7 +5,7 @@
                                    [--steps 5] [--out runs/bench] [--artifacts DIR]
     python scripts/lora_profile.py --from-artifacts DIR [--out ...]      # re-make the table from a saved run
 
-Each variant is built and compiled by :func:`jaxgrad.lora.bench.run_jax_variant` itself (the benchmark's inputs,
+Each variant is built and compiled by :func:`jaxgrad.bench.lora_block.run_jax_variant` itself (the benchmark's inputs,
 block call and timing), with two hooks on the harness it calls: ``compile_fn`` keeps the function and its
 arguments, and ``time_fn``, after the benchmark's own timing, compiles the same function once more **without XLA's
 command buffers** (``xla_gpu_enable_command_buffer=""``: inside a CUDA graph the kernels lose the HLO op
@@ -34,7 +34,7 @@ json; no xprof / tensorboard plugin needed) and the executable's optimised HLO t
 Output: ``<out>/lora-profile-<device>-<stamp>.txt`` (and ``.json``; ``--out`` defaults to ``runs/bench`` under the
 current directory, git-ignored in a checkout, so a run never changes the repository; ``--out benchmarks/results``
 adds the table to the committed results), header first: device, versions, commit
-(``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY`` from the launcher, see :func:`jaxgrad.benchmarking.provenance`), command
+(``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY`` from the launcher, see :func:`jaxgrad.bench.harness.provenance`), command
 line. ``--artifacts DIR`` also keeps each variant's trace and HLO text (gzip) and a ``meta`` json, from which
 ``--from-artifacts`` remakes the same table elsewhere (its header says so).
 """
@@ -65,7 +65,7 @@ HBM_BYTES = 3.35e12  # H100 SXM HBM3
 SKINNY = 128  # a gemm with M, N or K <= this is a LoRA product (r = 16; XLA merges up to 7 adapters: 112)
 DEFAULT_VARIANTS = ("custom_vjp cudnn", "jax.grad(reference) cudnn")
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
-# jaxgrad.benchmarking.DEFAULT_RESULTS_DIR (git-ignored); spelled out, since importing it imports jax, which
+# jaxgrad.bench.harness.DEFAULT_RESULTS_DIR (git-ignored); spelled out, since importing it imports jax, which
 # --from-artifacts does not need
 DEFAULT_OUT = "runs/bench"
 
@@ -661,7 +661,7 @@ def rows_json(rows: list[OpRow]) -> list[dict]:
 
 
 def header(env: dict, argv: list[str], extra: list[str]) -> list[str]:
-    from jaxgrad.lora.bench import SIZES, block_flops
+    from jaxgrad.bench.lora_block import SIZES, block_flops
 
     lines = [
         "# lora-profile: where the LoRA block's fwd+bwd time goes (scripts/lora_profile.py, issue #13)",
@@ -718,10 +718,10 @@ def analyse(trace_path, hlo_text: str, steps: int) -> tuple[list[OpRow], str, Hl
 # ---------------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _hooked_harness(cap: dict, steps: int, trace_dir: str):
-    """Hook :mod:`jaxgrad.benchmarking`'s ``compile_fn`` / ``time_fn`` while ``run_jax_variant`` runs."""
+    """Hook :mod:`jaxgrad.bench.harness`'s ``compile_fn`` / ``time_fn`` while ``run_jax_variant`` runs."""
     import jax
 
-    from jaxgrad import benchmarking as bm
+    from jaxgrad.bench import harness as bm
 
     orig_compile, orig_time = bm.compile_fn, bm.time_fn
 
@@ -758,7 +758,7 @@ def _hooked_harness(cap: dict, steps: int, trace_dir: str):
 
 
 def profile_variant(name: str, sizes: str, *, steps: int, warmup: int, repeats: int, work_dir: str) -> dict:
-    from jaxgrad.lora import bench as lb
+    from jaxgrad.bench import lora_block as lb
 
     cap: dict[str, Any] = {}
     trace_dir = tempfile.mkdtemp(prefix="trace-", dir=work_dir)
@@ -780,7 +780,7 @@ def _slug(name: str) -> str:
 
 def write_outputs(variants: list[dict], env: dict, argv: list[str], extra: list[str], out_dir: str, top: int,
                   stamp: str | None = None) -> pathlib.Path:
-    from jaxgrad import benchmarking as bm
+    from jaxgrad.bench import harness as bm
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -809,7 +809,7 @@ def save_artifacts(variants: list[dict], env: dict, art: str) -> None:
         with gzip.open(d / f"hlo-{s}.txt.gz", "wt") as f:
             f.write(v["hlo"])
         metas.append({**v["meta"], "slug": s})
-    from jaxgrad import benchmarking as bm
+    from jaxgrad.bench import harness as bm
 
     (d / "meta.json").write_text(json.dumps(bm._jsonable({"environment": env, "variants": metas}), indent=1))
 
@@ -832,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", choices=["full", "small"], default=None, help="default: full on a GPU, else small")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help="comma-separated jaxgrad.lora.bench variant names (off-GPU 'cudnn' becomes 'sdpa(xla)')")
+                   help="comma-separated jaxgrad.bench.lora_block variant names (off-GPU 'cudnn' becomes 'sdpa(xla)')")
     p.add_argument("--steps", type=int, default=5, help="steps traced")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
@@ -857,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxgrad import benchmarking as bm
+    from jaxgrad.bench import harness as bm
 
     on_gpu = jax.default_backend() == "gpu"
     sizes = a.sizes or ("full" if on_gpu else "small")

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad import benchmarking as bm
+from jaxgrad.bench import harness as bm
 from jaxgrad.lora.nf4 import nf4_absmax, nf4_dequantize, nf4_quantize
 from jaxgrad.ops.nf4_matmul import _dequant_xla, nf4_matmul_dx_pallas, nf4_matmul_fwd_pallas
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxgrad import pallas_backend as pb
-from jaxgrad.benchmarking import environment
+from jaxgrad.bench.harness import environment
 
 
 def _rn(a):

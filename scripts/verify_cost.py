@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     if a.child:
         return _child(a)
 
-    from jaxgrad.benchmarking import environment
+    from jaxgrad.bench.harness import environment
 
     env = environment()
     print(f"# device: {env['device_kind']} ({env['platform']}, {env['device']}); jax {env['jax']}, jaxlib "

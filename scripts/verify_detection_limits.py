@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.benchmarking import DEFAULT_RESULTS_DIR, _jsonable, device_slug, environment
+from jaxgrad.bench.harness import DEFAULT_RESULTS_DIR, _jsonable, device_slug, environment
 from jaxgrad.verify.calibration import OPS, leaf_errors, make_case
 from jaxgrad.verify.stats import FALSE_ALARM_RATE, entry_variance, leaf_null, leaf_statistics, replicas_for
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import verify_detection_limits as vdl  # noqa: E402
 
-from jaxgrad.benchmarking import environment  # noqa: E402
+from jaxgrad.bench.harness import environment  # noqa: E402
 from jaxgrad.verify.calibration import OPS, leaf_errors, make_case  # noqa: E402
 
 

@@ -44,7 +44,7 @@ import time
 import numpy as np
 
 OPS = ("dense", "conv_relu", "attention", "long_sum")
-# jaxgrad.benchmarking.DEFAULT_RESULTS_DIR (git-ignored); spelled out, since importing it imports jax before cpu mode
+# jaxgrad.bench.harness.DEFAULT_RESULTS_DIR (git-ignored); spelled out, since importing it imports jax before cpu mode
 # sets JAX_PLATFORMS
 DEFAULT_OUT = "runs/bench"
 
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         summary.update(planted_runs=len(planted), planted_caught=sum(bool(r.get("caught")) for r in planted))
         print(f"planted errors caught on their gradient: {summary['planted_caught']} of {len(planted)}")
     if not a.no_write:
-        from jaxgrad.benchmarking import _jsonable, device_slug, environment
+        from jaxgrad.bench.harness import _jsonable, device_slug, environment
         from jaxgrad.verify.stats import FALSE_ALARM_RATE
 
         env = environment()

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.lora import bench_attention as ba
+from jaxgrad.bench import attention as ba
 
 
 def test_flops_are_the_block_convention():
-    from jaxgrad.lora.bench import block_flops
+    from jaxgrad.bench.lora_block import block_flops
 
     s = ba.ATTENTION_SIZES["full"]
     blk = block_flops(batch=4, seq=2048, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632, r=16)

@@ -1,4 +1,4 @@
-"""The ``lora`` benchmark suite (scripts/bench.py lora, jaxgrad/lora/bench.py): the FLOP count and floor at the
+"""The ``lora`` benchmark suite (scripts/bench.py lora, jaxgrad/bench/lora_block.py): the FLOP count and floor at the
 issue's shape, and an end-to-end ``--sizes small`` run on this machine (each variant in its own process; the torch
 variant skipped with a note where torch is missing), whose rows agree on the block's outputs."""
 
@@ -11,8 +11,8 @@ import sys
 import jax
 import pytest
 
-from jaxgrad import benchmarking as bm
-from jaxgrad.lora import bench
+from jaxgrad.bench import harness as bm
+from jaxgrad.bench import lora_block as bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -117,7 +117,7 @@ def provenance() -> dict[str, Any]:
     From ``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY`` when the launcher sets them (a GPU machine gets a copy of the tree
     whose ``.git``, if any, is not the launcher's), else from ``git``."""
     commit, dirty = os.environ.get("JAXGRAD_COMMIT"), os.environ.get("JAXGRAD_DIRTY")
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     try:
         if commit:  # the launcher knows better than a copied tree's (possibly stale) .git
             raise OSError

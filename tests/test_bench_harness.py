@@ -1,4 +1,4 @@
-"""Fast CPU tests of the benchmark harness (:mod:`jaxgrad.benchmarking`) and ``scripts/bench.py``."""
+"""Fast CPU tests of the benchmark harness (:mod:`jaxgrad.bench.harness`) and ``scripts/bench.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgrad import benchmarking as bm
+from jaxgrad.bench import harness as bm
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

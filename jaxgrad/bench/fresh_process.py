@@ -1,5 +1,5 @@
-r"""The fresh-process harness of the LoRA benchmark suites (``lora``: :mod:`jaxgrad.lora.bench`; ``lora_model``:
-:mod:`jaxgrad.lora.bench_model`): each variant runs in its own child process (``python -m <suite module> --child
+r"""The fresh-process harness of the LoRA benchmark suites (``lora``: :mod:`jaxgrad.bench.lora_block`; ``lora_model``:
+:mod:`jaxgrad.bench.lora_model`): each variant runs in its own child process (``python -m <suite module> --child
 NAME``), so that the device's peak memory it reports is its own; the child prints its row after :data:`ROW_TAG` and
 the parent collects it, or a row saying why there is none (a crash, a timeout, a spent budget, a missing library).
 Also the torch side's timing and what it needs.
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from jaxgrad import benchmarking as bm
+from jaxgrad.bench import harness as bm
 
 ROW_TAG = "LORA_BENCH_ROW "
 
@@ -66,7 +66,7 @@ def torch_missing() -> str | None:
 def time_torch(step, row: bm.Row, *, warmup: int, repeats: int) -> None:
     """Time a CUDA ``step()`` into ``row``: the first call (kernel selection, lazy init) as ``compile_ms``, then
     ``warmup`` untimed calls, then ``repeats`` calls each ended by ``torch.cuda.synchronize()`` (the harness's
-    clock: :func:`jaxgrad.benchmarking.time_fn`); ``peak_bytes`` = ``torch.cuda.max_memory_allocated()`` since the
+    clock: :func:`jaxgrad.bench.harness.time_fn`); ``peak_bytes`` = ``torch.cuda.max_memory_allocated()`` since the
     process started (never reset). The outputs are dropped as they come (none is kept alive across calls)."""
     import torch
 

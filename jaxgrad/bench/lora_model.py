@@ -1,6 +1,6 @@
 r"""The ``lora_model`` benchmark suite (issue #13 item 4): **one whole training step** of a small Llama causal LM with
 LoRA, tokens/s and peak memory, our JAX step against transformers + PEFT; each variant in a fresh process (the
-machinery of :mod:`jaxgrad.lora.bench`).
+machinery of :mod:`jaxgrad.bench.lora_block`).
 
     python scripts/bench.py lora_model [--sizes small|full] [--repeats N] [--warmup N] [--variants SUBSTR,...]
                                        [--budget-s S]
@@ -32,9 +32,9 @@ head N(0, 1/hidden), norms 1, LoRA A ~ U(+-1/sqrt(in)) and B ~ U(+-1/sqrt(r)), b
 has a gradient at the first step; tokens uniform in the vocabulary), so the losses of the first three steps printed
 in each row's notes agree across variants up to bf16 rounding: a check that the torch model is the same model.
 
-Timing (per variant, in its own process): JAX: the compiled step timed by :func:`jaxgrad.benchmarking.time_fn`
+Timing (per variant, in its own process): JAX: the compiled step timed by :func:`jaxgrad.bench.harness.time_fn`
 (median of ``repeats`` calls after ``warmup``), each call from the same initial state (no donation: the adapters and
-their Adam moments, ~29 MiB at ``full``, exist twice); torch: :func:`jaxgrad.lora.bench_harness.time_torch` (the
+their Adam moments, ~29 MiB at ``full``, exist twice); torch: :func:`jaxgrad.bench.fresh_process.time_torch` (the
 training runs on: every call is one more step). **tokens/s** = ``batch * seq / median step time``. Peak memory: the device's
 high-water mark since the process started, weights included (JAX ``peak_bytes_in_use``, torch
 ``max_memory_allocated``).
@@ -45,7 +45,7 @@ FLOPs of one step (:func:`step_flops`), ``N = batch * seq`` tokens, ``L`` layers
 
     F = L \cdot F_\mathrm{block} - F_\mathrm{skip} + 2 N V H + 2 N V H
 
-* :math:`F_\mathrm{block}` = :func:`jaxgrad.lora.bench.block_flops` (base forward ``2 N P`` and its ``dX``
+* :math:`F_\mathrm{block}` = :func:`jaxgrad.bench.lora_block.block_flops` (base forward ``2 N P`` and its ``dX``
   ``2 N P`` -- the base is frozen, no ``dW``, but ``dX`` must flow through every layer to reach the adapters below;
   causal attention ``4 B Hq pairs d`` forward and ``8 B Hq pairs d`` backward; LoRA ``2 N r sum(in + out)`` forward,
   ``4 N r sum(in + out)`` backward: ``G = dY B``, ``dB``, ``dA``, ``dX += G A``);
@@ -67,9 +67,9 @@ import sys
 
 import numpy as np
 
-from jaxgrad import benchmarking as bm
-from jaxgrad.lora import bench
-from jaxgrad.lora import bench_harness as harness
+from jaxgrad.bench import harness as bm
+from jaxgrad.bench import lora_block as bench
+from jaxgrad.bench import fresh_process as harness
 
 SUITE = "lora_model"
 SIZES = {
@@ -85,7 +85,7 @@ TORCH_VARIANT = "torch LlamaForCausalLM+PEFT sdpa"
 JAX_VARIANTS = {"custom_vjp cudnn": ("xla", "cudnn"), "custom_vjp cudnn mosaic": ("mosaic", "cudnn"),
                 "jax.grad(reference) cudnn": ("reference", "cudnn")}
 RUN_ORDER = ("custom_vjp cudnn mosaic", TORCH_VARIANT, "jax.grad(reference) cudnn", "custom_vjp cudnn")  # best first
-MODULE = "jaxgrad.lora.bench_model"
+MODULE = "jaxgrad.bench.lora_model"
 
 
 def variant_names(on_gpu: bool) -> list[str]:
@@ -371,7 +371,7 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
 def suite_lora_model(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants=None,
                      timeout: float = 300.0, budget_s: float | None = None,
                      say=print) -> tuple[list[bm.Row], list[str]]:
-    """Every variant in its own process (:func:`jaxgrad.lora.bench_harness.run_fresh_suite`). Returns ``(rows,
+    """Every variant in its own process (:func:`jaxgrad.bench.fresh_process.run_fresh_suite`). Returns ``(rows,
     notes)``: the FLOP / floor lines and, after the run, one ``tokens/s`` line per variant that ran."""
     import jax
 

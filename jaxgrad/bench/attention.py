@@ -13,7 +13,7 @@ dim 64). Variants:
 * ``xla (our VJP)``: :func:`jaxgrad.ops.attention.attention` (``T x T`` scores in HBM) -- ``block(attention="xla")``;
 * ``jax.grad(reference)``: ``jax.grad`` of :func:`jaxgrad.ops.attention.attention_reference`.
 
-FLOPs: the block's convention (:func:`jaxgrad.lora.bench.block_flops`): forward ``4 B H_q P d`` with ``P = T (T +
+FLOPs: the block's convention (:func:`jaxgrad.bench.lora_block.block_flops`): forward ``4 B H_q P d`` with ``P = T (T +
 1) / 2`` causal pairs, backward twice that (no recomputation of ``Q K^T`` counted).
 """
 
@@ -24,7 +24,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxgrad import benchmarking as bm
+from jaxgrad.bench import harness as bm
 
 __all__ = ["ATTENTION_SIZES", "attention_flops", "suite_attention"]
 

@@ -1,4 +1,4 @@
-"""The ``lora_model`` benchmark suite (scripts/bench.py lora_model, jaxgrad/lora/bench_model.py): the FLOP count at
+"""The ``lora_model`` benchmark suite (scripts/bench.py lora_model, jaxgrad/bench/lora_model.py): the FLOP count at
 the issue's shape, the training step it times (a real step: the loss falls; the custom VJP's step equals jax.grad's
 in float64), and an end-to-end ``--sizes small`` run here (each variant in its own process, the torch one skipped
 with its reason where torch is missing)."""
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrad.lora import bench, bench_model
+from jaxgrad.bench import lora_block as bench, lora_model as bench_model
 from jaxgrad.lora.model import apply, count_items
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ non-zero, ``x`` and the cotangent N(0, 1)), so the norms of ``y``, ``dx`` and th
 row's notes agree across variants up to bf16 rounding (NF4: up to its quantisation) -- a check that the torch
 layer computes the same block.
 
-Measured, per variant, in its own process: the compile time; the harness's timing (:func:`jaxgrad.benchmarking.
+Measured, per variant, in its own process: the compile time; the harness's timing (:func:`jaxgrad.bench.harness.
 time_fn`: wall clock of each call until its outputs are ready, median of ``repeats`` after ``warmup`` calls; torch:
 ``torch.cuda.synchronize()`` after each call, the same clock); the **peak device memory since the process started**,
 weights, inputs and outputs included, the same way on both sides: JAX ``device.memory_stats()["peak_bytes_in_use"]``,
@@ -62,11 +62,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrad import benchmarking as bm
-from jaxgrad.lora.bench_harness import (ROW_TAG, child_main, compile_and_time, is_skipped,  # noqa: F401
+from jaxgrad.bench import harness as bm
+from jaxgrad.bench.fresh_process import (ROW_TAG, child_main, compile_and_time, is_skipped,  # noqa: F401
                                         parent_setup, run_fresh_suite, sdpa_llama_config, select_variants,
                                         time_torch, torch_missing)
-from jaxgrad.lora.bench_harness import run_in_fresh_process as _run_in_fresh_process
+from jaxgrad.bench.fresh_process import run_in_fresh_process as _run_in_fresh_process
 
 SIZES = {
     "full": dict(batch=4, seq=2048, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632, r=16),
@@ -402,8 +402,8 @@ def floor_lines(sizes: str) -> list[str]:
 
 
 def run_in_fresh_process(name: str, sizes: str, **kw) -> bm.Row:
-    """One variant of this suite in a child process (:func:`jaxgrad.lora.bench_harness.run_in_fresh_process`)."""
-    return _run_in_fresh_process(name, sizes, **{"module": "jaxgrad.lora.bench", "suite": "lora", "size_table": SIZES,
+    """One variant of this suite in a child process (:func:`jaxgrad.bench.fresh_process.run_in_fresh_process`)."""
+    return _run_in_fresh_process(name, sizes, **{"module": "jaxgrad.bench.lora_block", "suite": "lora", "size_table": SIZES,
                                                  **kw})
 
 
@@ -421,7 +421,7 @@ def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3
     for line in notes:
         say(f"# {line}")
     rows = run_fresh_suite(names, sizes, precision, repeats=repeats, warmup=warmup, timeout=timeout,
-                           budget_s=budget_s, say=say, module="jaxgrad.lora.bench", suite="lora", size_table=SIZES,
+                           budget_s=budget_s, say=say, module="jaxgrad.bench.lora_block", suite="lora", size_table=SIZES,
                            skip_reason=lambda name: torch_missing() if name == TORCH_VARIANT else None)
     return rows, notes
 
