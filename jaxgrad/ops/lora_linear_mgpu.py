@@ -21,7 +21,7 @@ concatenations ``[X | sU]`` and ``[W | B]``, written to HBM each step, and the G
 
 ``TileConfig(rank_from_xla=False)`` is session 12's form: ``A[:, k]`` streamed too and a second ``wgmma``
 ``u += X_k A_k^T`` (``tile_m x r``) in every K step, from the same ``X`` tiles (``X`` read once); on the H100 that
-16-wide ``wgmma`` cost the kernel ~20% (NOTES.md, session 14), more than the extra read of ``X`` by XLA.
+16-wide ``wgmma`` cost the kernel ~20% (docs/design.md, session 14), more than the extra read of ``X`` by XLA.
 
 Registers per compute thread: the accumulator ``tile_m tile_n / 128`` fp32 (128 at 128 x 128; plus ``u``'s 16 in
 the in-loop form). Shared memory: ``max_concurrent_steps`` stages of ``(2 tile_m + tile_n) tile_k`` operands (3 x 48
