@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 import jaxgrad
 
 PKG = pathlib.Path(jaxgrad.__file__).resolve().parent
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parent / "fixtures"
 PEFT_DIR, BASE_DIR = DATA / "lora_peft_adapter", DATA / "lora_peft_base"
 API_ERRORS = (ValueError, TypeError, OSError, LookupError)
 HYP = settings(max_examples=15, deadline=None, derandomize=True,

@@ -16,7 +16,7 @@ from jaxgrad.cnn import denoiser, layout
 from jaxgrad.cnn.nnx import Denoiser
 from jaxgrad.verify import assert_vjp_matches
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "torch_denoiser_fixture.npz"
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "torch_denoiser_fixture.npz"
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -74,7 +74,7 @@ def test_matches_pytorch_live_when_torch_is_installed():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "fixture", pathlib.Path(__file__).parents[1] / "scripts" / "make_torch_denoiser_fixture.py")
+        "fixture", pathlib.Path(__file__).parent / "fixtures" / "make_torch_denoiser_fixture.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     data = module.compute("float64", seed=7)

@@ -1,7 +1,7 @@
 """efficient-kan state_dict conversion (jaxgrad.kan.convert) and forward parity with efficient-kan's formula.
 
-The parity fixture (tests/data/efficient_kan_fixture.npz) was not produced by efficient-kan: it comes from a
-transliteration of efficient-kan's forward inside this repo (scripts/make_efficient_kan_fixture.py, NumPy). These
+The parity fixture (tests/fixtures/efficient_kan_fixture.npz) was not produced by efficient-kan: it comes from a
+transliteration of efficient-kan's forward inside this repo (tests/fixtures/make_efficient_kan_fixture.py, NumPy). These
 tests check our forward against that transliteration, not against efficient-kan's own code.
 """
 
@@ -17,7 +17,7 @@ from jaxgrad.kan.convert import from_efficient_kan, to_efficient_kan
 from jaxgrad.kan.layer import kan_linear_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests/data/efficient_kan_fixture.npz"
+FIXTURE = ROOT / "tests/fixtures/efficient_kan_fixture.npz"
 _fwd = jax.jit(kan_linear_reference)
 
 
@@ -122,7 +122,7 @@ def _load_fixture():
 
 def test_fixture_parity_float64():
     """Our forward on converted weights == this repo's NumPy transliteration of efficient-kan's forward
-    (scripts/make_efficient_kan_fixture.py; not efficient-kan itself) on a [3, 4, 2] net with non-uniform grids and
+    (tests/fixtures/make_efficient_kan_fixture.py; not efficient-kan itself) on a [3, 4, 2] net with non-uniform grids and
     non-unit scalers."""
     with jax.enable_x64(True):
         sd, x, y = _load_fixture()
@@ -141,7 +141,7 @@ def test_fixture_parity_float64():
 
 
 def test_fixture_generator_is_reproducible(tmp_path):
-    spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "scripts/make_efficient_kan_fixture.py")
+    spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "tests/fixtures/make_efficient_kan_fixture.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "fx.npz"
@@ -159,9 +159,9 @@ def test_fixture_generator_is_reproducible(tmp_path):
 
 def test_torch_efficient_kan_formula_matches_fixture():
     """With torch installed: the transliteration's torch version (efficient-kan's b_splines + F.linear, as written in
-    scripts/make_efficient_kan_fixture.py; not efficient-kan's package) reproduces the committed outputs."""
+    tests/fixtures/make_efficient_kan_fixture.py; not efficient-kan's package) reproduces the committed outputs."""
     pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "scripts/make_efficient_kan_fixture.py")
+    spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "tests/fixtures/make_efficient_kan_fixture.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sd, x, y = _load_fixture()

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints (``jaxgrad.lora.hf``) and PEFT adapters (``jaxgrad.lora.peft``): loading, saving,
 merge / unmerge, refusals; round trip against real PEFT 0.21 / transformers 5.17 (fixtures made on the GPU
-machine's CPU by ``scripts/make_lora_peft_fixture.py``).
+machine's CPU by ``tests/fixtures/make_lora_peft_fixture.py``).
 
 Logits are checked twice: with an independent NumPy (float64) forward of ``LlamaForCausalLM`` written below (so
 the IO is tested on its own) and with jaxgrad's model (``jaxgrad.lora.model.apply``, both backends).
@@ -42,7 +42,7 @@ from jaxgrad.lora.peft import (
     unmerge_adapters,
 )
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parent / "fixtures"
 BASE_DIR, PEFT_DIR, OURS_DIR = DATA / "lora_peft_base", DATA / "lora_peft_adapter", DATA / "lora_peft_ours"
 FIXTURE = DATA / "lora_peft_fixture.npz"
 PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -439,7 +439,7 @@ def test_our_writer_is_the_committed_fixture(tmp_path):
     """The committed ``lora_peft_ours`` (which PEFT loaded on the GPU machine) is what our writer writes."""
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "fixtures"))
     try:
         import make_lora_peft_fixture as maker
     finally:

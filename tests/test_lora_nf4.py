@@ -1,6 +1,6 @@
 """NF4 (``jaxgrad.lora.nf4``): bitsandbytes' own bytes, an independent NumPy restatement, and properties.
 
-The fixture ``tests/data/nf4_bnb_fixture.npz`` was written by ``scripts/make_nf4_bnb_fixture.py`` with
+The fixture ``tests/fixtures/nf4_bnb_fixture.npz`` was written by ``tests/fixtures/make_nf4_bnb_fixture.py`` with
 bitsandbytes 0.50.2 (torch 2.11, CPU and CUDA of an H200 machine); see ``docs/lora_io.md``.
 """
 
@@ -24,7 +24,7 @@ from jaxgrad.lora.nf4 import (
     nf4_quantize,
 )
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "nf4_bnb_fixture.npz"
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "nf4_bnb_fixture.npz"
 F32 = np.float32
 
 # The NF4 code as lora.md section 3 lists it (typed in again: the restatement shares no constant with the module).

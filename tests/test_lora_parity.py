@@ -1,5 +1,5 @@
 """Parity with transformers' own ``LlamaDecoderLayer`` + PEFT LoRA on all 7 projections (fixture made by
-``scripts/make_lora_transformers_fixture.py`` on the GPU machine's CPU: torch 2.11, transformers 5.17, peft 0.21).
+``tests/fixtures/make_lora_transformers_fixture.py`` on the GPU machine's CPU: torch 2.11, transformers 5.17, peft 0.21).
 
 Float64 (HF's hard-coded float32 casts in RMSNorm / softmax turned into "at least float32", cos/sin in float64;
 see the script): output, dx, every LoRA A/B gradient and both norm-weight gradients to 1e-12 of their max.
@@ -18,7 +18,7 @@ from jaxgrad.lora.block import block
 from jaxgrad.lora.config import LlamaConfig, LoraConfig
 from jaxgrad.ops.rope import rope_inv_freq
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "lora_transformers_fixture.npz"
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "lora_transformers_fixture.npz"
 
 
 @pytest.fixture(scope="module")

@@ -375,12 +375,12 @@ def test_small_functions_get_32_replicas_and_a_10_sigma_entry_is_caught():
 
 
 def _attention_dv_leaf():
-    d = np.load(Path(__file__).parent / "data" / "attention_dv_slice_fixture.npz")
+    d = np.load(Path(__file__).parent / "fixtures" / "attention_dv_slice_fixture.npz")
     return d["e"], d["replicas"], d["g"]
 
 
 def test_a_kernel_rounding_more_along_every_key_is_no_slice_false_alarm(monkeypatch):
-    # dv of our f32 attention VJP with 32 replicas (scripts/make_attention_slice_fixture.py): it recomputes
+    # dv of our f32 attention VJP with 32 replicas (tests/fixtures/make_attention_slice_fixture.py): it recomputes
     # P = exp(S - lse), so along the key axis its slice sums run 1.3-2.9x the reference's while its entries' median
     # ratio is 0.65. The slice level (median over the keys of T / mean_k T_k) measures that; without it the key-1
     # slice sat at its limit (a false alarm of session 11).
@@ -463,11 +463,11 @@ def test_weights_from_subnormal_gradient_squares_raise_no_warning():
 
 
 def test_a_few_one_signed_flips_on_heavy_entries_are_no_scale_false_alarm():
-    # CPU false-alarm sweep, session 13, run 425 (scripts/make_flip_scale_fixture.py): a correct bf16 conv+ReLU
+    # CPU false-alarm sweep, session 13, run 425 (tests/fixtures/make_flip_scale_fixture.py): a correct bf16 conv+ReLU
     # whose weight gradient took three flips of ~-0.3 (rounding sd ~0.01, jumps K ~6) on heavily weighted entries.
     # Gated from the ungated estimate they were absorbed into beta (-1.41e-2, limit 1.2e-2); from beta = 0 they are
     # flips. The test takes the more charitable start; a 5% scale error is still caught on the same leaf.
-    d = np.load(Path(__file__).parent / "data" / "conv_relu_flip_scale_fixture.npz")
+    d = np.load(Path(__file__).parent / "fixtures" / "conv_relu_flip_scale_fixture.npz")
     e, r, g, kink = d["e"], d["replicas"], d["g"], d["kink"]
     st = leaf_statistics(e, r, g, "bf16", kink=kink)
     assert st.passed and abs(st.beta) < 1e-3, st.summary()

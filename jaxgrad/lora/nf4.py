@@ -27,8 +27,8 @@ Format (bitsandbytes 0.50, ``backends/default/ops.py`` and ``functional.py``):
   ``offset`` (float32 scalar). The float32 absmax is recovered as ``DYNAMIC_CODE[q] * absmax2[block2]`` then
   ``+ offset`` (two roundings, never fused).
 
-Agreement with bitsandbytes 0.50.2 itself (``tests/data/nf4_bnb_fixture.npz``, made on an H200 machine by
-``scripts/make_nf4_bnb_fixture.py``): on the CPU every NF4 byte, absmax, offset, absmax2 and dequantised value
+Agreement with bitsandbytes 0.50.2 itself (``tests/fixtures/nf4_bnb_fixture.npz``, made on an H200 machine by
+``tests/fixtures/make_nf4_bnb_fixture.py``): on the CPU every NF4 byte, absmax, offset, absmax2 and dequantised value
 is identical, except that bitsandbytes' *native CPU* kernel for the second level picks the farther of two
 dynamic-code values for a few inputs within ~2e-5 of a midpoint (5 of 901 absmax values in the fixture; its
 pure-torch kernel (by its source) and its CUDA kernel (measured) pick the nearest, as we do). On CUDA, values
@@ -105,7 +105,7 @@ _MIN_BLOCKSIZE, _MAX_BLOCKSIZE = 32, 4096
 
 def _torch_linspace_f32(start: float, end: float, steps: int) -> np.ndarray:
     """``torch.linspace(start, end, steps, dtype=float32)`` on the CPU, bit for bit (checked against the table
-    bitsandbytes 0.50.2 / torch 2.11 built, in ``tests/data/nf4_bnb_fixture.npz``).
+    bitsandbytes 0.50.2 / torch 2.11 built, in ``tests/fixtures/nf4_bnb_fixture.npz``).
 
     ``step = (end - start) / (steps - 1)`` in float32; the first half of the points is ``start + step * i``, the
     second half ``end - step * (steps - 1 - i)``, each rounded **once** to float32 (torch's vectorised kernel
