@@ -124,7 +124,7 @@ import numpy as np
 
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.lora.grouped import group_bwd, group_fwd, groupable
-from jaxgrad.lora.kernels import BACKENDS, XLA, BlockKernels
+from jaxgrad.lora.kernels import BACKENDS, XLA, BlockKernels, base_weight
 from jaxgrad.ops.attention import (attention_bwd, attention_fwd, attention_out_from_lse, attention_reference,
                                    check_attention_mask, right_padded)
 from jaxgrad.ops.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
@@ -141,16 +141,6 @@ QKV = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj")
 O_PROJ = (("self_attn", "o_proj"),)
 GATE_UP = (("mlp", "gate_proj"), ("mlp", "up_proj"))
 DOWN = (("mlp", "down_proj"),)
-
-
-def base_weight(w, dtype):
-    """The frozen ``[out, in]`` weight in ``dtype``: ``w`` itself if it is an array, else an NF4 weight dequantised
-    (``jaxgrad.lora.nf4.nf4_dequantize``)."""
-    if isinstance(w, (jax.Array, np.ndarray)):
-        return w if w.dtype == dtype else w.astype(dtype)
-    from jaxgrad.lora.nf4 import nf4_dequantize
-
-    return nf4_dequantize(w, dtype)
 
 
 def _weight_shape(w):
@@ -579,7 +569,7 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       fold_lora_b: each projection's forward as one GEMM ``[h | sU] [W | B]^T``
         (:func:`jaxgrad.ops.lora_linear.lora_linear_fwd`'s ``fold_b``; ``sU`` rounded once to the operand dtype);
         on by default: on the H100 the same time as the separate ``U B^T`` product (5.92 against 5.88 ms) at 131 MiB
-        less peak memory (1019 MiB, below PEFT's 1074; NOTES.md, session 12).
+        less peak memory (1019 MiB, below PEFT's 1074; docs/design.md, session 12).
     """
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)

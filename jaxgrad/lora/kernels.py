@@ -42,16 +42,25 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxgrad.lora.nf4 import NF4Weight, nf4_absmax
+from jaxgrad.lora.nf4 import NF4Weight, nf4_absmax, nf4_dequantize
 from jaxgrad.ops import nf4_matmul  # the module, not its names: jaxgrad.ops.nf4_matmul imports jaxgrad.lora
 from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_pallas, rms_norm_fwd_pallas, rms_norm_rstd
 from jaxgrad.ops.swiglu import _bwd_math as swiglu_bwd_math
 from jaxgrad.ops.swiglu import swiglu_bwd_pallas, swiglu_fwd_pallas, swiglu_reference
 
-__all__ = ["BACKENDS", "BlockKernels"]
+__all__ = ["BACKENDS", "BlockKernels", "base_weight"]
 
 BACKENDS = ("xla", "reference", "pallas", "mosaic")  # block(backend=...); "reference" never reaches this module
+
+
+def base_weight(w, dtype):
+    """The frozen ``[out, in]`` weight in ``dtype``: ``w`` itself if it is an array, else an NF4 weight dequantised
+    (:func:`jaxgrad.lora.nf4.nf4_dequantize`). The XLA path's base operand, and what the Mosaic GPU kernels read."""
+    if isinstance(w, (jax.Array, np.ndarray)):
+        return w if w.dtype == dtype else w.astype(dtype)
+    return nf4_dequantize(w, dtype)
 
 
 def _on_gpu() -> bool:
@@ -73,13 +82,13 @@ class BlockKernels:
     backend: str = "xla"  # "xla", "pallas" or "mosaic"
     interpret: bool | None = None
     # projections sharing an input as one GEMM with the LoRA A rows folded in (jaxgrad.lora.grouped); off by
-    # default: on the H100 5.81 ms against 5.88 ms at +459 MiB of peak memory (NOTES.md, session 11)
+    # default: on the H100 5.81 ms against 5.88 ms at +459 MiB of peak memory (docs/design.md, session 11)
     group: bool = False
     # the backward recomputes the attention half for real, after the MLP backward (an optimization_barrier): less
     # peak memory, more time (block.py's module doc, "What the VJP saves"); off by default
     low_memory: bool = False
     # each projection's LoRA B folded into its base GEMM along K, [X | sU] [W | B]^T (lora_linear_fwd's fold_b);
-    # block() turns it on by default (H100: the same time, 131 MiB less peak memory; NOTES.md, session 12)
+    # block() turns it on by default (H100: the same time, 131 MiB less peak memory; docs/design.md, session 12)
     fold_b: bool = False
     # the Mosaic GPU kernels also return sU / sG for the backward's dB / dA (no second skinny pass over h or dY);
     # off only to measure the session-12 kernels beside them (bench variant "custom_vjp cudnn mosaic-no-rank")
@@ -87,14 +96,14 @@ class BlockKernels:
     # the Mosaic GPU dX kernel writes each projection's dX in fp32 (session 13's form; bench variant "custom_vjp
     # cudnn mosaic-f32-dx"). Off by default: it writes dX in the operand dtype (bf16), as PEFT's bf16 autograd does,
     # half the bytes of every dX written and read again by the sums (q + k + v, gate + up: those stay fp32). H100,
-    # one run: 4.501 ms / 892 MiB against 4.777 ms / 1011 MiB in fp32 (NOTES.md, session 14)
+    # one run: 4.501 ms / 892 MiB against 4.777 ms / 1011 MiB in fp32 (docs/design.md, session 14)
     mosaic_dx_f32: bool = False
     # the Mosaic GPU kernels' tiles and pipelining (None: lora_linear_mgpu.TileConfig's defaults)
     mosaic_tiles: object = None
     # attention="cudnn" with K and V repeated to the query heads: cuDNN's MHA kernels instead of its GQA ones (the
     # repeat's VJP sums dK, dV over each group). Off by default: on the H100 the attention alone is faster with it
     # (fwd+bwd 0.913 ms against 1.050), the block is not (4.620 ms / 924 MiB against 4.538 / 892: the repeats and
-    # the group sums are memory passes of their own; NOTES.md, session 14); bench variant "custom_vjp cudnn
+    # the group sums are memory passes of their own; docs/design.md, session 14); bench variant "custom_vjp cudnn
     # mosaic-kv-repeat"
     cudnn_repeat_kv: bool = False
     # attention="cudnn" with a padding mask: cuDNN takes it as per-row key lengths (its padding-causal mask, no mask
@@ -136,7 +145,6 @@ class BlockKernels:
         does not qualify and the XLA path computes it."""
         if not (self.fold_b and self._mosaic(w, a, keep_scale)):
             return None
-        from jaxgrad.lora.block import base_weight
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_fwd_mgpu, supported
 
         w = base_weight(w, h.dtype)  # an NF4 weight dequantised (a dense one as it is)
@@ -157,7 +165,6 @@ class BlockKernels:
         does not qualify."""
         if not self._mosaic(w, a, keep_scale):
             return None
-        from jaxgrad.lora.block import base_weight
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_dx_mgpu, supported_dx
 
         w = base_weight(w, dtype)  # an NF4 weight dequantised (a dense one as it is)
