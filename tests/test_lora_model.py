@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrad.lora.config import LlamaConfig, LoraConfig
+from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
+from jaxgrad.lora.hf import expected_shapes
 from jaxgrad.lora.model import IGNORE_INDEX, apply, causal_lm_loss, count_items, init, init_lora, loss_fn
 
 CFG = LlamaConfig(hidden_size=24, intermediate_size=40, num_attention_heads=3, num_key_value_heads=1, head_dim=8,
@@ -107,6 +108,26 @@ def test_checkpoint_policies_give_the_same_gradient():
     for g in grads[1:]:
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(grads[0])):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))  # f32 rounding
+
+
+def test_projection_shapes_are_hf_out_in_and_every_layout_uses_them():
+    # GQA (3 q heads on 1 kv head) and head_dim * heads != hidden: every factor of the table shows
+    shapes = CFG.projection_shapes
+    assert list(shapes) == list(PROJECTIONS)
+    assert shapes == {("self_attn", "q_proj"): (24, 24), ("self_attn", "k_proj"): (8, 24),
+                      ("self_attn", "v_proj"): (8, 24), ("self_attn", "o_proj"): (24, 24),
+                      ("mlp", "gate_proj"): (40, 24), ("mlp", "up_proj"): (40, 24), ("mlp", "down_proj"): (24, 40)}
+    cfg = LlamaConfig(**{**CFG.__dict__, "head_dim": 6})
+    assert cfg.projection_shapes[("self_attn", "q_proj")] == (18, 24)
+    assert cfg.projection_shapes[("self_attn", "o_proj")] == (24, 18)
+    params, lora = _model(0, jnp.float32, cfg)
+    hf = expected_shapes(cfg)
+    for (g, n), (out_f, in_f) in cfg.projection_shapes.items():
+        for i in range(cfg.num_hidden_layers):
+            assert params["layers"][i][g][n]["weight"].shape == (out_f, in_f)
+            assert lora["layers"][i][g][n]["lora_A"].shape == (LCFG.r, in_f)
+            assert lora["layers"][i][g][n]["lora_B"].shape == (out_f, LCFG.r)
+            assert hf[f"model.layers.{i}.{g}.{n}.weight"] == (out_f, in_f)
 
 
 def test_peft_initialisation():

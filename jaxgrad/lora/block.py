@@ -162,11 +162,8 @@ def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | 
         raise TypeError(f"block: 'x' must be floating point, got {x.dtype}")
     b, t, _ = x.shape
     cfg.check_seq(t)
-    d, hq, hkv, hid, inter = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, \
-        cfg.intermediate_size
-    want = {("self_attn", "q_proj"): (hq * d, hid), ("self_attn", "k_proj"): (hkv * d, hid),
-            ("self_attn", "v_proj"): (hkv * d, hid), ("self_attn", "o_proj"): (hid, hq * d),
-            ("mlp", "gate_proj"): (inter, hid), ("mlp", "up_proj"): (inter, hid), ("mlp", "down_proj"): (hid, inter)}
+    hid = cfg.hidden_size
+    want = cfg.projection_shapes
     for (g, n), shape in want.items():
         try:
             w = params[g][n]["weight"]

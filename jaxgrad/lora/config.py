@@ -123,6 +123,20 @@ class LlamaConfig:
                              f"{self.gradient_checkpointing!r}")
 
     @property
+    def projection_shapes(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(group, name): (out, in)}``: the HF ``[out, in]`` weight shape of each of the 7 projections, in
+        :data:`PROJECTIONS` order (``d`` = ``head_dim``, ``Hq``, ``Hkv`` the query and kv heads)::
+
+            q_proj [Hq d, hidden]    k_proj, v_proj [Hkv d, hidden]    o_proj [hidden, Hq d]
+            gate_proj, up_proj [intermediate, hidden]                  down_proj [hidden, intermediate]
+        """
+        d, hid, inter = self.head_dim, self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        shapes = {"q_proj": (q, hid), "k_proj": (kv, hid), "v_proj": (kv, hid), "o_proj": (hid, q),
+                  "gate_proj": (inter, hid), "up_proj": (inter, hid), "down_proj": (hid, inter)}
+        return {(g, n): shapes[n] for g, n in PROJECTIONS}
+
+    @property
     def rope_scaling_dict(self) -> dict | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 

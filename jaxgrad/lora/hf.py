@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.checks import check_float_dtype
-from jaxgrad.lora.config import LlamaConfig
+from jaxgrad.lora.config import LlamaConfig, layer_module_name
 from jaxgrad.lora.nf4 import NF4Weight, nf4_dequantize, nf4_quantize
 from jaxgrad.lora.peft import MODULE_GROUPS, _check_output_directory, _replacing
 
@@ -135,15 +135,12 @@ def llama_config_to_hf_dict(config: LlamaConfig) -> dict[str, Any]:
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """HF weight name -> shape, for every weight the checkpoint must hold (no ``lm_head`` when tied)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    nq, nkv, v = config.num_attention_heads, config.num_key_value_heads, config.vocab_size
-    proj = {"q_proj": (nq * d, h), "k_proj": (nkv * d, h), "v_proj": (nkv * d, h), "o_proj": (h, nq * d),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    h, v = config.hidden_size, config.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for layer in range(config.num_hidden_layers):
+        for (group, module), shape in config.projection_shapes.items():
+            out[f"{layer_module_name(layer, group, module)}.weight"] = shape
         prefix = f"model.layers.{layer}"
-        for module, shape in proj.items():
-            out[f"{prefix}.{MODULE_GROUPS[module]}.{module}.weight"] = shape
         out[f"{prefix}.input_layernorm.weight"] = (h,)
         out[f"{prefix}.post_attention_layernorm.weight"] = (h,)
     if not config.tie_word_embeddings:

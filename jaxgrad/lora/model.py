@@ -43,14 +43,6 @@ __all__ = ["IGNORE_INDEX", "apply", "causal_lm_loss", "count_items", "init", "in
 IGNORE_INDEX = -100
 
 
-def _proj_shapes(cfg: LlamaConfig):
-    d, hq, hkv, hid, inter = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, \
-        cfg.intermediate_size
-    return {("self_attn", "q_proj"): (hq * d, hid), ("self_attn", "k_proj"): (hkv * d, hid),
-            ("self_attn", "v_proj"): (hkv * d, hid), ("self_attn", "o_proj"): (hid, hq * d),
-            ("mlp", "gate_proj"): (inter, hid), ("mlp", "up_proj"): (inter, hid), ("mlp", "down_proj"): (hid, inter)}
-
-
 def _check_config(value, name: str, expected: type, where: str) -> None:
     if not isinstance(value, expected):
         raise TypeError(f"{where}: '{name}' must be a {expected.__name__}, got {type(value).__name__} "
@@ -66,7 +58,7 @@ def init(key: jax.Array, cfg: LlamaConfig, dtype=jnp.float32, std: float = 0.02)
     _check_config(cfg, "cfg", LlamaConfig, "init")
     n_proj = len(PROJECTIONS)
     keys = jax.random.split(key, 2 + cfg.num_hidden_layers * n_proj)
-    shapes = _proj_shapes(cfg)
+    shapes = cfg.projection_shapes
     layers = []
     for i in range(cfg.num_hidden_layers):
         layer = {"self_attn": {}, "mlp": {}}
@@ -97,7 +89,7 @@ def init_lora(key: jax.Array, cfg: LlamaConfig, lcfg: LoraConfig, dtype=jnp.floa
     check_key(key, "init_lora")
     _check_config(cfg, "cfg", LlamaConfig, "init_lora")
     _check_config(lcfg, "lcfg", LoraConfig, "init_lora")
-    shapes = _proj_shapes(cfg)
+    shapes = cfg.projection_shapes
     layers = []
     for i in range(cfg.num_hidden_layers):
         layer = {}

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.lora.config import LoraConfig
+from jaxgrad.lora.config import PROJECTIONS, LoraConfig
 from jaxgrad.lora.nf4 import NF4Weight, nf4_dequantize
 
 __all__ = [
@@ -69,23 +69,16 @@ __all__ = [
     "unmerge_adapters",
 ]
 
-#: The 7 projections of a Llama layer and the sub-module each lives in (Hugging Face names).
-MODULE_GROUPS: dict[str, str] = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
+#: The 7 projections of a Llama layer and the sub-module each lives in (Hugging Face names), in
+#: :data:`jaxgrad.lora.config.PROJECTIONS` order.
+MODULE_GROUPS: dict[str, str] = {name: group for group, name in PROJECTIONS}
 #: PEFT's prefix of the layer stack for a ``LlamaForCausalLM`` wrapped by ``get_peft_model``.
 PEFT_KEY_PREFIX = "base_model.model.model.layers"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 _KEY_RE = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
-    r"down_proj)\.(lora_A|lora_B)\.weight$"
+    rf"^base_model\.model\.model\.layers\.(\d+)\.({'|'.join(dict.fromkeys(g for g, _ in PROJECTIONS))})\."
+    rf"({'|'.join(n for _, n in PROJECTIONS)})\.(lora_A|lora_B)\.weight$"
 )
 
 
