@@ -1,7 +1,8 @@
-"""scripts/cnn_train.py: Noise2Noise training runs end to end (synthetic and MRC pairs), learns, checkpoints with
-orbax, resumes bit-exactly after a crash or a SIGTERM, never destroys user files, and rejects bad inputs with
-messages naming the option or file."""
+"""`jaxgrad train cnn`: Noise2Noise training runs end to end (synthetic and MRC pairs), learns, checkpoints with
+orbax, resumes bit-exactly after a crash, a ``kill -9`` or a SIGTERM, never destroys user files, and rejects bad
+inputs with messages naming the key or file."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -14,19 +15,32 @@ import jax
 import numpy as np
 import pytest
 
+from jaxgrad.cli import main
 from jaxgrad.cnn.data import write_stack
 from jaxgrad.cnn.synthetic import make_particles
+from jaxgrad.cnn.task import load_checkpoint
+from jaxgrad.train import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("cnn_train", ROOT / "scripts" / "cnn_train.py")
-cnn_train = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("cnn_train", cnn_train)
-_spec.loader.exec_module(cnn_train)
 
-# One network / optimiser / image size for every run: the script caches its jitted step per configuration.
-BASE = ["--channels", "1,4,1", "--batch-size", "8", "--lr", "3e-3", "--log-every", "1", "--no-progress",
-        "--n-eval", "16"]
+# One network / optimiser / image size for every run (the engine caches its jitted step per configuration).
+BASE = ["--set", "model.channels=[1,4,1]", "--set", "data.batch_size=8", "--set", "train.lr=3e-3",
+        "--set", "train.log_every=1", "--set", "data.n_eval=16", "--no-progress"]
 SIZE = 24
+
+
+def train(*args):
+    return main(["train", "cnn", *args])
+
+
+def train_calling_back(step_callback, *args):
+    """``jaxgrad train cnn`` with ``step_callback(step, loss)`` run by the engine after every step."""
+    fit = loop.fit
+    loop.fit = functools.partial(fit, step_callback=step_callback)
+    try:
+        return train(*args)
+    finally:
+        loop.fit = fit
 
 
 def _lines(path):
@@ -61,29 +75,31 @@ def pair_files(tmp_path_factory):
     return {k: write_stack(d / f"{k}.mrc", v) for k, v in files.items()}
 
 
-def _pairs_args(pf):
-    return ["--inputs", str(pf["a1"]), str(pf["a2"]), "--targets", str(pf["b1"]), str(pf["b2"])]
+def _pairs_args(pf, a=("a1", "a2"), b=("b1", "b2")):
+    return ["--set", "data.kind=pairs", "--set", f"data.inputs={json.dumps([str(pf[k]) for k in a])}",
+            "--set", f"data.targets={json.dumps([str(pf[k]) for k in b])}"]
 
 
 # 48 particles, batch 8: 6 batches per epoch; 15 steps cross two epoch boundaries.
-RESUME_ARGS = ["--steps", "15", "--checkpoint-every", "4", "--keep", "3", "--seed", "5"]
+RESUME_ARGS = ["--set", "train.steps=15", "--set", "train.checkpoint_every=4", "--set", "train.keep=3",
+               "--set", "train.seed=5", "--set", "data.seed=5"]
 
 
 @pytest.fixture(scope="module")
 def reference_run(pair_files, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "run"
-    cnn_train.main(_pairs_args(pair_files) + BASE + RESUME_ARGS + ["--out", str(out)])
+    assert train(*_pairs_args(pair_files), *BASE, *RESUME_ARGS, "--out", str(out)) == 0
     return out
 
 
 def test_synthetic_run_writes_everything_and_learns(tmp_path):
     out = tmp_path / "run"
-    summary = cnn_train.main(["--synthetic", "64", "--size", str(SIZE), "--snr", "0.5", "--steps", "48",
-                              "--checkpoint-every", "10", "--keep", "2", "--image-every", "24", "--n-examples", "3",
-                              "--out", str(out)] + BASE)
-    # run directory: only the script's entries
-    expected = ["run.json", "metrics.jsonl", "metrics.csv", "summary.json", "examples.png", "checkpoints", "images",
-                "synthetic"]
+    assert train("--set", "data.n=64", "--set", f"data.size={SIZE}", "--set", "data.snr=0.5",
+                 "--set", "data.synthetic_chunk=16", "--set", "train.steps=48", "--set", "train.checkpoint_every=10",
+                 "--set", "train.keep=2", "--set", "train.eval_every=24", "--set", "data.eval_images=true",
+                 "--set", "data.n_examples=3", "--out", str(out), *BASE) == 0
+    expected = ["run.json", "config.toml", "metrics.jsonl", "metrics.csv", "summary.json", "examples.png",
+                "checkpoints", "images", "inputs.json", "synthetic"]
     if importlib.util.find_spec("tensorboardX") is not None:  # the engine mirrors scalars to TensorBoard then
         expected.append("tensorboard")
     assert sorted(p.name for p in out.iterdir()) == sorted(expected)
@@ -92,19 +108,21 @@ def test_synthetic_run_writes_everything_and_learns(tmp_path):
         assert (out / "synthetic" / "heldout" / f"{name}.mrc").is_file()
     # checkpoints: every 10 steps and at the end, the last 2 kept
     assert _ckpt_steps(out) == [40, 48]
-    params, opt_state, meta = cnn_train.load_checkpoint(out)
+    params, opt_state, meta = load_checkpoint(out)
     assert meta["step"] == 48 and meta["batches_per_epoch"] == 8
     assert (meta["epoch"], meta["batch_in_epoch"]) == (6, 0)
     assert [layer["w"].shape for layer in params] == [(3, 3, 1, 4), (3, 3, 4, 1)]
     assert int(opt_state[0].count) == 48
-    # metrics: start event, one line per step, end event
+    # metrics: start event, one line per step, evaluations, end event
     recs = _lines(out / "metrics.jsonl")
     assert recs[0]["event"] == "start" and recs[-1]["event"] == "end"
+    assert [r["step"] for r in recs if r.get("event") == "eval"] == [24, 48]
     steps = _step_lines(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == list(range(1, 49))
     assert {"step", "epoch", "loss", "time"} <= set(steps[0])
     assert steps[-1]["epoch"] == 5
-    # images
+    # images: one per evaluation, named by its step, and the final examples
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_0000024.png", "step_0000048.png"]
     for png in (out / "examples.png", out / "images" / "step_0000024.png", out / "images" / "step_0000048.png"):
         assert _is_png(png), png
     import matplotlib.image
@@ -112,7 +130,7 @@ def test_synthetic_run_writes_everything_and_learns(tmp_path):
     assert img.shape[0] > img.shape[1] * 0.8  # 3 rows of 3 panels
     # summary: learning happened, on training batches and on the held-out set
     saved = json.loads((out / "summary.json").read_text())
-    assert saved["step"] == summary["step"] == 48
+    assert saved["step"] == 48 and saved["batches_per_epoch"] == 8 and saved["epoch"] == 6
     ev = saved["eval"]
     first = np.mean([r["loss"] for r in steps[:5]])
     last = np.mean([r["loss"] for r in steps[-8:]])
@@ -126,7 +144,6 @@ def test_synthetic_run_writes_everything_and_learns(tmp_path):
 
 def test_resume_after_crash_is_bit_exact(pair_files, reference_run, tmp_path):
     out = tmp_path / "run"
-    args = _pairs_args(pair_files) + BASE + RESUME_ARGS + ["--out", str(out)]
 
     class Crash(RuntimeError):
         pass
@@ -136,7 +153,7 @@ def test_resume_after_crash_is_bit_exact(pair_files, reference_run, tmp_path):
             raise Crash
 
     with pytest.raises(Crash):
-        cnn_train.main(args, step_callback=crash_at_11)
+        train_calling_back(crash_at_11, *_pairs_args(pair_files), *BASE, *RESUME_ARGS, "--out", str(out))
     assert _ckpt_steps(out) == [4, 8]  # nothing saved at the crash
     assert len(_step_lines(out / "metrics.jsonl")) == 11
     before = (out / "metrics.jsonl").read_text()
@@ -144,21 +161,19 @@ def test_resume_after_crash_is_bit_exact(pair_files, reference_run, tmp_path):
     junk = out / "checkpoints" / "12.orbax-checkpoint-tmp-1700000000"
     (junk / "state").mkdir(parents=True)
     (junk / "state" / "partial").write_bytes(b"\0" * 10)
-    _, _, meta8 = cnn_train.load_checkpoint(out)
+    _, _, meta8 = load_checkpoint(out)
     assert (meta8["step"], meta8["epoch"], meta8["batch_in_epoch"]) == (8, 1, 2)  # mid-epoch
 
-    cnn_train.main(["--out", str(out), "--resume", "--no-progress"])  # everything else from run.json
+    assert train("--out", str(out), "--resume", "--no-progress") == 0  # everything else from run.json
     assert not junk.exists()
     assert _ckpt_steps(out) == [8, 12, 15]
-    ref_params, ref_opt, ref_meta = cnn_train.load_checkpoint(reference_run)
-    params, opt_state, meta = cnn_train.load_checkpoint(out)
+    ref_params, ref_opt, ref_meta = load_checkpoint(reference_run)
+    params, opt_state, meta = load_checkpoint(out)
     assert meta["step"] == ref_meta["step"] == 15
     _assert_trees_equal(params, ref_params)
     _assert_trees_equal(opt_state, ref_opt)
     # the earlier checkpoint survived the crash intact
-    p8, _, _ = cnn_train.load_checkpoint(out, 8)
-    r8, _, _ = cnn_train.load_checkpoint(reference_run, 8)
-    _assert_trees_equal(p8, r8)
+    _assert_trees_equal(load_checkpoint(out, 8)[0], load_checkpoint(reference_run, 8)[0])
     # metrics appended, never truncated; the re-trained steps reproduce the reference's losses
     text = (out / "metrics.jsonl").read_text()
     assert text.startswith(before)
@@ -172,12 +187,13 @@ def test_resume_after_crash_is_bit_exact(pair_files, reference_run, tmp_path):
 
 
 _KILLER = """
-import importlib.util, os, signal, sys
-spec = importlib.util.spec_from_file_location("cnn_train", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-kill_at = int(sys.argv[2])
-mod.main(sys.argv[3:], step_callback=lambda step, loss: step == kill_at and os.kill(os.getpid(), signal.SIGKILL))
+import functools, os, signal, sys
+from jaxgrad.cli import main
+from jaxgrad.train import loop
+kill_at = int(sys.argv[1])
+loop.fit = functools.partial(loop.fit, step_callback=lambda step, loss: step == kill_at
+                             and os.kill(os.getpid(), signal.SIGKILL))
+sys.exit(main(["train", "cnn"] + sys.argv[2:]))
 """
 
 
@@ -186,21 +202,20 @@ def test_resume_after_sigkill_is_bit_exact(pair_files, reference_run, tmp_path):
     out = tmp_path / "run"
     args = _pairs_args(pair_files) + BASE + RESUME_ARGS + ["--out", str(out)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _KILLER, str(ROOT / "scripts" / "cnn_train.py"), "11"] + args,
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _KILLER, "11"] + args, capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     assert _ckpt_steps(out) == [4, 8]
     assert [r["step"] for r in _step_lines(out / "metrics.jsonl")] == list(range(1, 12))
-    cnn_train.main(["--out", str(out), "--resume", "--no-progress"])
-    params, opt_state, _ = cnn_train.load_checkpoint(out)
-    ref_params, ref_opt, _ = cnn_train.load_checkpoint(reference_run)
+    assert train("--out", str(out), "--resume", "--no-progress") == 0
+    params, opt_state, _ = load_checkpoint(out)
+    ref_params, ref_opt, _ = load_checkpoint(reference_run)
     _assert_trees_equal(params, ref_params)
     _assert_trees_equal(opt_state, ref_opt)
 
 
 def test_sigterm_checkpoints_then_resume_is_bit_exact(pair_files, reference_run, tmp_path):
     out = tmp_path / "run"
-    args = _pairs_args(pair_files) + BASE + RESUME_ARGS + ["--out", str(out)]
     old = signal.getsignal(signal.SIGTERM)
 
     def term_at_6(step, loss):
@@ -208,27 +223,27 @@ def test_sigterm_checkpoints_then_resume_is_bit_exact(pair_files, reference_run,
             os.kill(os.getpid(), signal.SIGTERM)
 
     with pytest.raises(SystemExit) as exc:
-        cnn_train.main(args, step_callback=term_at_6)
+        train_calling_back(term_at_6, *_pairs_args(pair_files), *BASE, *RESUME_ARGS, "--out", str(out))
     assert exc.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is old  # handlers restored
     assert _ckpt_steps(out) == [4, 6]  # the step-6 state was saved on the way out
     assert _lines(out / "metrics.jsonl")[-1]["event"] == "stopped"
-    # resume, training longer than the reference would be fine, but stop at the same total
-    cnn_train.main(["--out", str(out), "--resume", "--no-progress", "--steps", "15"])
-    params, opt_state, _ = cnn_train.load_checkpoint(out)
-    ref_params, ref_opt, _ = cnn_train.load_checkpoint(reference_run)
+    assert train("--out", str(out), "--resume", "--no-progress", "--set", "train.steps=15") == 0
+    params, opt_state, _ = load_checkpoint(out)
+    ref_params, ref_opt, _ = load_checkpoint(reference_run)
     _assert_trees_equal(params, ref_params)
     _assert_trees_equal(opt_state, ref_opt)
     # resuming a finished run trains nothing more and rewrites the summary
-    summary = cnn_train.main(["--out", str(out), "--resume", "--no-progress"])
-    assert summary["step"] == 15 and _ckpt_steps(out)[-1] == 15
+    assert train("--out", str(out), "--resume", "--no-progress") == 0
+    assert json.loads((out / "summary.json").read_text())["step"] == 15 and _ckpt_steps(out)[-1] == 15
 
 
 def test_pairs_run_with_progress_bar(pair_files, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # exercise the rich progress bar
-    args = _pairs_args(pair_files) + [a for a in BASE if a != "--no-progress"]
-    summary = cnn_train.main(args + ["--epochs", "1", "--out", str(out)])
+    base = [a for a in BASE if a != "--no-progress"]
+    assert train(*_pairs_args(pair_files), *base, "--set", "train.steps=6", "--out", str(out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["batches_per_epoch"] == 6 and summary["step"] == 6  # 32 + 16 particles, batch 8
     ev = summary["eval"]
     assert "training data" in ev["source"] and "psnr_denoised_db" not in ev and ev["n"] == 16
@@ -237,76 +252,86 @@ def test_pairs_run_with_progress_bar(pair_files, tmp_path, monkeypatch, capsys):
     assert "train" in capsys.readouterr().out
     run = json.loads((out / "run.json").read_text())
     assert run["config"]["data"]["inputs"] == [str(pair_files["a1"]), str(pair_files["a2"])]
-    assert [f["name"] for f in run["fingerprints"]] == ["a1.mrc", "a2.mrc", "b1.mrc", "b2.mrc"]
-    assert [f["shape"] for f in run["fingerprints"]] == [[32, SIZE, SIZE], [16, SIZE, SIZE]] * 2
+    inputs = json.loads((out / "inputs.json").read_text())
+    assert [f["name"] for f in inputs] == ["a1.mrc", "a2.mrc", "b1.mrc", "b2.mrc"]
+    assert [f["shape"] for f in inputs] == [[32, SIZE, SIZE], [16, SIZE, SIZE]] * 2
+
+
+def test_resume_refuses_input_stacks_that_changed(pair_files, tmp_path, capsys):
+    d = tmp_path / "stacks"
+    d.mkdir()
+    p = make_particles(16, SIZE, snr=0.5, seed=4)
+    a, b = write_stack(d / "a.mrc", p["noisy_a"]), write_stack(d / "b.mrc", p["noisy_b"])
+    out = tmp_path / "run"
+    pairs = ["--set", "data.kind=pairs", "--set", f'data.inputs=["{a}"]', "--set", f'data.targets=["{b}"]']
+    assert train(*pairs, *BASE, "--set", "train.steps=1", "--out", str(out)) == 0
+    q = make_particles(24, SIZE, snr=0.5, seed=5)  # other stacks under the same names
+    write_stack(d / "a.mrc", q["noisy_a"], overwrite=True)
+    write_stack(d / "b.mrc", q["noisy_b"], overwrite=True)
+    capsys.readouterr()
+    assert train("--out", str(out), "--resume", "--no-progress", "--set", "train.steps=2") == 2
+    assert "input stacks changed" in capsys.readouterr().err
+    assert _ckpt_steps(out) == [1]
 
 
 def test_refuses_non_empty_out_dir_and_overwrite_keeps_user_files(pair_files, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    args = _pairs_args(pair_files) + BASE + ["--steps", "2", "--out", str(out)]
-    with pytest.raises(SystemExit) as exc:
-        cnn_train.main(args)
-    assert exc.value.code == 2 and "is not empty" in capsys.readouterr().err
+    args = [*_pairs_args(pair_files), *BASE, "--set", "train.steps=2"]
+    assert train(*args, "--out", str(out)) == 2
+    assert "is not empty" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-    with pytest.raises(SystemExit):  # --resume: not a run of this script
-        cnn_train.main(args + ["--resume"])
+    assert train(*args, "--out", str(out), "--resume") == 2  # not a run of `jaxgrad train cnn`
     assert "nothing to resume" in capsys.readouterr().err
 
-    cnn_train.main(args + ["--overwrite"])
+    assert train(*args, "--out", str(out), "--overwrite") == 0
     assert (out / "notes.txt").read_text() == "mine" and _ckpt_steps(out) == [2]
-    with pytest.raises(SystemExit):  # a finished run is not overwritten silently either
-        cnn_train.main(args)
+    assert train(*args, "--out", str(out)) == 2  # a finished run is not overwritten silently either
     assert "is not empty" in capsys.readouterr().err
-    cnn_train.main(args[:-2] + ["--steps", "1", "--out", str(out), "--overwrite"])
+    assert train(*args, "--set", "train.steps=1", "--out", str(out), "--overwrite") == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert _ckpt_steps(out) == [1]  # the old run's files were replaced
     assert [r["event"] for r in _lines(out / "metrics.jsonl") if "event" in r] == ["start", "end"]
 
-    # --overwrite never deletes a file of a name the script owns unless DIR is one of its runs
+    # --overwrite never deletes a file of a name the run owns unless DIR is one of its runs
     other = tmp_path / "other"
     other.mkdir()
     (other / "metrics.jsonl").write_text("precious\n")
-    with pytest.raises(SystemExit):
-        cnn_train.main(args[:-2] + ["--out", str(other), "--overwrite"])
+    assert train(*args, "--out", str(other), "--overwrite") == 2
     assert "refusing to delete" in capsys.readouterr().err
     assert (other / "metrics.jsonl").read_text() == "precious\n"
 
 
-def test_input_errors_name_the_option_or_file(pair_files, tmp_path, capsys):
-    d = tmp_path / "data"
+def test_input_errors_name_the_key_or_file(pair_files, tmp_path, capsys):
+    d = tmp_path / "stacks"
     d.mkdir()
     small = write_stack(d / "small.mrc", np.zeros((32, 16, 16), np.float32) + np.arange(16, dtype=np.float32))
     short = write_stack(d / "short.mrc", make_particles(20, SIZE, snr=1.0, seed=1)["noisy_b"])
-    a1, b1 = str(pair_files["a1"]), str(pair_files["b1"])
+    pf = dict(pair_files, small=small, short=short, missing=d / "missing.mrc", this=pathlib.Path(__file__))
     out = tmp_path / "out"
 
-    def err(argv):
-        with pytest.raises(SystemExit) as exc:
-            cnn_train.main(argv + ["--out", str(out)])
-        assert exc.value.code == 2
+    def err(*argv):
+        assert train(*argv, "--out", str(out)) == 2
         assert not out.exists()  # nothing was created for a run that did not start
         return capsys.readouterr().err
 
-    assert str(small) in err(["--inputs", a1, str(small), "--targets", b1, str(small)] + BASE)
-    msg = err(["--pairs", a1, str(short)] + BASE)
+    assert str(small) in err(*_pairs_args(pf, ("a1", "small"), ("b1", "small")), *BASE)
+    msg = err(*_pairs_args(pf, ("a1",), ("short",)), *BASE)
     assert str(short) in msg and "32" in msg and "20" in msg
-    assert "first and last widths must be 1" in err(["--pairs", a1, b1, "--channels", "2,4,1"])
-    assert "--channels" in err(["--pairs", a1, b1, "--channels", "1,x,1"])
-    assert "--channels" in err(["--pairs", a1, b1, "--channels", "1"])
-    assert "missing.mrc" in err(["--pairs", a1, str(d / "missing.mrc")])
-    assert "--targets has 1" in err(["--inputs", a1, a1, "--targets", b1])
-    assert "--batch-size (64)" in err(["--pairs", a1, b1, "--batch-size", "64"])
-    assert "--buffer-size (4)" in err(["--pairs", a1, b1, "--batch-size", "8", "--buffer-size", "4"])
-    assert "not both" in err(["--pairs", a1, b1, "--synthetic", "10"])
-    assert "not both" in err(["--pairs", a1, b1, "--steps", "3", "--epochs", "1"])
-    assert "no data" in err(["--channels", "1,4,1"])
-    assert str(pathlib.Path(__file__)) in err(["--pairs", a1, str(pathlib.Path(__file__))])  # not an MRC file
+    pairs = _pairs_args(pf, ("a1",), ("b1",))
+    assert "first and last widths must be 1" in err(*pairs, "--set", "model.channels=[2,4,1]")
+    assert "model.channels" in err(*pairs, "--set", "model.channels=[1,x,1]")
+    assert "model.channels" in err(*pairs, "--set", "model.channels=[1]")
+    assert "missing.mrc" in err(*_pairs_args(pf, ("a1",), ("missing",)))
+    assert "data.inputs" in err(*_pairs_args(pf, ("a1", "a1"), ("b1",)))
+    assert "data.batch_size' (64)" in err(*pairs, "--set", "data.batch_size=64")
+    assert "buffer_size" in err(*pairs, "--set", "data.batch_size=8", "--set", "data.buffer_size=4")
+    assert "data.synthetic_chunk" in err("--set", "data.synthetic_chunk=0")
+    assert str(pathlib.Path(__file__)) in err(*_pairs_args(pf, ("a1",), ("this",)))  # not an MRC file
 
-    # on --resume, options that define the network or the batch sequence cannot change
+    # on --resume, keys that define the network or the batch sequence cannot change
     run = tmp_path / "run"
-    cnn_train.main(_pairs_args(pair_files) + BASE + ["--steps", "1", "--out", str(run)])
-    with pytest.raises(SystemExit):
-        cnn_train.main(["--out", str(run), "--resume", "--channels", "1,8,1"])
-    assert "channels" in capsys.readouterr().err
+    assert train(*pairs, *BASE, "--set", "train.steps=1", "--out", str(run)) == 0
+    assert train("--out", str(run), "--resume", "--set", "model.channels=[1,8,1]") == 2
+    assert "model.channels" in capsys.readouterr().err

@@ -186,7 +186,8 @@ def train(params: Params, batches: Iterable[tuple[Any, Any]], optimizer: optax.G
           callback: Callable[[int, float], None] | None = None) -> tuple[Params, Any, list[float]]:
     """Run one optax step per ``(x, target)`` batch; returns ``(params, opt_state, losses)``.
 
-    The minimal loop; ``scripts/cnn_train.py`` adds streaming data, progress, checkpoints and images.
+    The minimal loop; ``jaxgrad train cnn`` (:mod:`jaxgrad.cnn.task`) adds streaming data, progress, checkpoints
+    and images.
     """
     step = make_train_step(optimizer, residual=residual, backend=backend, precision=precision)
     params = jax.tree.map(jnp.array, params)  # own copies: the step donates its inputs

@@ -11,10 +11,16 @@ Data. :class:`jaxgrad.cnn.data.ParticleStream` over two aligned half-set stacks 
 written into the run directory by :func:`ensure_synthetic`); batch ``k`` of epoch ``e`` is a deterministic function
 of ``(seed, e, k)``. Evaluation (:func:`eval_set`, :func:`evaluate`): the N2N loss on evaluation particles and, for
 synthetic data, the PSNR against the clean particles.
+
+``jaxgrad train cnn`` (:data:`CLI_SCHEMA`, :func:`cli_task`) adds to the engine's run directory ``examples.png``
+(noisy / denoised / clean or other half), ``images/step_<step>.png`` at every evaluation when
+``data.eval_images`` is set, ``synthetic/`` (the generated stacks) and ``inputs.json`` (name, shape and size of
+every input stack: a resume refuses stacks that changed). :func:`load_checkpoint` reads a run's checkpoint back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -32,6 +38,9 @@ from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
 SYNTH_DIR = "synthetic"
+EXAMPLES_FILE = "examples.png"
+IMAGES_DIR = "images"
+INPUTS_FILE = "inputs.json"
 UsageError = DataError  # an input file or data set that cannot be used: one line, exit status 2
 
 
@@ -276,12 +285,13 @@ CLI_SCHEMA = {
     "data": {"kind": ("str", "synthetic", ("synthetic", "pairs")), "n": ("int", 2048), "size": ("int", 64),
              "snr": ("float", 0.1), "n_eval": ("int", 64), "inputs": ("strs", []), "targets": ("strs", []),
              "batch_size": ("int", 16), "buffer_size": ("int?", None), "chunk_size": ("int?", None),
-             "seed": ("int", 0), "n_examples": ("int", 4)},
+             "seed": ("int", 0), "n_examples": ("int", 4), "synthetic_chunk": ("int", 256),
+             "eval_images": ("bool", False)},
 }
 CLI_TRAIN_DEFAULTS = {"optimizer": "adam", "lr": 1e-3, "steps": 1000, "log_every": 10, "checkpoint_every": 200}
 CLI_FIXED = {"model": ("channels", "residual"), "data": ("kind", "n", "size", "snr", "n_eval", "inputs", "targets",
                                                          "batch_size", "buffer_size", "chunk_size", "seed")}
-CLI_OUTPUTS = ("examples.png", SYNTH_DIR)
+CLI_OUTPUTS = (EXAMPLES_FILE, IMAGES_DIR, INPUTS_FILE, SYNTH_DIR)
 
 
 def needs_x64(cfg: dict) -> bool:
@@ -295,11 +305,12 @@ def cli_task(cfg: dict, out, say):
     try:
         denoiser.DenoiserConfig(tuple(m["channels"]), residual=m["residual"])
     except ValueError as err:
-        raise ConfigError(f"[model] channels/residual: {err}") from None
+        raise ConfigError(f"[model] 'model.channels' / 'model.residual': {err}") from None
     if m["channels"][0] != 1 or m["channels"][-1] != 1:
         raise ConfigError(f"[model] 'model.channels': the first and last widths must be 1 (single-channel "
                           f"particles), got {m['channels']}")
-    for key, lo in (("batch_size", 1), ("n_eval", 1), ("n_examples", 0), ("n", 1), ("size", 2), ("seed", 0)):
+    for key, lo in (("batch_size", 1), ("n_eval", 1), ("n_examples", 0), ("n", 1), ("size", 2), ("seed", 0),
+                    ("synthetic_chunk", 1)):
         if d[key] < lo:
             raise ConfigError(f"[data] 'data.{key}' must be an integer >= {lo}, got {d[key]}")
     if d["kind"] == "synthetic":
@@ -310,7 +321,7 @@ def cli_task(cfg: dict, out, say):
         if not d["snr"] > 0:
             raise ConfigError(f"[data] 'data.snr' must be > 0, got {d['snr']}")
         spec = {"kind": "synthetic", "n": d["n"], "size": d["size"], "snr": d["snr"], "n_eval": d["n_eval"]}
-        ensure_synthetic(out, spec, d["seed"], 256, say)
+        ensure_synthetic(out, spec, d["seed"], d["synthetic_chunk"], say)
         root = out / SYNTH_DIR / "train"
         ins, outs = open_pairs([str(root / "noisy_a.mrc")], [str(root / "noisy_b.mrc")])
     else:
@@ -330,6 +341,7 @@ def cli_task(cfg: dict, out, say):
                                              chunk_size=d["chunk_size"], drop_last=True, pairs=(ins, outs))
         except ValueError as err:
             raise ConfigError(f"[data] {err}") from None
+        check_inputs(out, [fingerprint(s) for s in ins + outs])
         evalset = eval_set(out, {"data": spec}, ins, outs)
     except BaseException:
         for s in ins + outs:
@@ -338,23 +350,86 @@ def cli_task(cfg: dict, out, say):
     den = functools.partial(denoise, batch_size=d["batch_size"], residual=m["residual"], backend=m["backend"],
                             precision=m["precision"])
 
+    # The engine draws the k micro-batches of step s (indices s k - k .. s k - 1) right before training it, so
+    # after step s the last one drawn is s k - 1: the step an evaluation (or an image) belongs to.
+    nb, k = len(stream), cfg["train"].get("accumulate", 1)
+    drawn = {"micro_batch": None}
+
+    def batches(epoch):
+        for i, batch in enumerate(stream.epoch(epoch)):
+            drawn["micro_batch"] = epoch * nb + i
+            yield batch
+
     def evaluate(params):
+        if d["eval_images"] and drawn["micro_batch"] is not None:
+            step = (drawn["micro_batch"] + 1) // k
+            (out / IMAGES_DIR).mkdir(exist_ok=True)
+            write_examples(out / IMAGES_DIR / f"step_{step:07d}.png", params, step, None, evalset,
+                           max(d["n_examples"], 1), den)
         return {"eval_n2n_loss": n2n_loss(den(params, evalset["x"]), evalset)}
 
     task = make_task(stream, channels=m["channels"], residual=m["residual"], backend=m["backend"],
                      precision=m["precision"], evaluate=evaluate,
-                     describe=f"{stream}; network {list(m['channels'])}; backend {m['backend']}")
+                     describe=f"{stream}; buffer {stream.buffer_nbytes / 2**20:.1f} MiB; network "
+                              f"{list(m['channels'])}{' residual' if m['residual'] else ''}; backend {m['backend']}, "
+                              f"precision {m['precision']}")
+    task = dataclasses.replace(task, batches=batches)
 
     def finish(result):
         params = result.state["params"]
         init = denoiser.init(jax.random.key(cfg["train"]["seed"]),
                              denoiser.DenoiserConfig(tuple(m["channels"]), residual=m["residual"]))
-        write_examples(out / "examples.png", params, result.step, result.final_loss, evalset, d["n_examples"], den)
+        if d["n_examples"]:
+            write_examples(out / EXAMPLES_FILE, params, result.step, result.final_loss, evalset, d["n_examples"],
+                           den)
         try:
-            return {"eval": evaluation(params, init, evalset, den)}
+            return {"epoch": result.step * k / nb, "batches_per_epoch": nb,
+                    "eval": evaluation(params, init, evalset, den)}
         finally:
             stream.close()
             for s in ins + outs:
                 s.close()
 
     return task, finish
+
+
+def check_inputs(out: pathlib.Path, fingerprints: list[dict]) -> None:
+    """Record the input stacks' fingerprints in ``out/inputs.json``, or, when a run's record is there (a resume),
+    refuse stacks that differ from it."""
+    path = out / INPUTS_FILE
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != fingerprints:
+            raise DataError(f"--resume: the input stacks changed since the run started (was {saved}, now "
+                            f"{fingerprints})")
+        return
+    write_atomic(path, json.dumps(fingerprints, indent=1) + "\n")
+
+
+def load_checkpoint(out, step: int | None = None):
+    """``(params, opt_state, meta)`` of checkpoint ``step`` (default: the latest) of the ``jaxgrad train cnn`` run
+    in ``out``."""
+    from jaxgrad.train import build, rundir
+    from jaxgrad.train.checkpoint import Checkpointer
+    from jaxgrad.train.cli_train import owner_of
+    from jaxgrad.train.loop import abstract_state
+    from jaxgrad.train.toml_config import train_config
+
+    out = pathlib.Path(out)
+    run = rundir.read_run_file(out, owner_of("cnn"))
+    if run is None:
+        raise FileNotFoundError(f"{out}: no {rundir.RUN_FILE}")
+    cfg = run["config"]
+    tcfg = train_config(cfg)
+    model = denoiser.DenoiserConfig(tuple(cfg["model"]["channels"]), residual=cfg["model"]["residual"])
+    shape_only = Task("cnn", init=lambda key: denoiser.init(key, model), loss=lambda p, b: (0.0, 1),
+                      batches=lambda e: iter(()), batches_per_epoch=1)
+    ckpt = Checkpointer(out / "checkpoints", tcfg.keep, create=False)
+    try:
+        step = max(ckpt.steps(), default=None) if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{out / 'checkpoints'}: no checkpoint")
+        state, meta = ckpt.restore(step, abstract_state(shape_only, tcfg, build(shape_only, tcfg)[1], step))
+        return state["params"], state["opt_state"], meta
+    finally:
+        ckpt.close()
