@@ -12,19 +12,27 @@ A table lives between two marker comments in a markdown file, e.g.::
 
 Tables (``TABLES``):
 
-* ``bench``: per benchmark suite (``scripts/bench.py``: ``benchmarks/results/<suite>-<device>-<stamp>.json``) and
+* ``bench``: per benchmark suite (``python -m jaxgrad.bench``: ``benchmarks/results/<suite>-<device>-<precision>-<date>-<time>.json``) and
   device, the latest result file of each matmul-precision setting (``default``, ``highest``), merged into one
   table: the variants as rows, each (dtype, precision) as a column, for the suite's first problem size (the
-  headline one of ``scripts/bench.py``); cells are median milliseconds and the speedup over ``jax.grad`` of the
+  headline one of the suite); cells are median milliseconds and the speedup over ``jax.grad`` of the
   plain-JAX reference measured in the same run; the last rows are the fastest jaxgrad variant's speedup over
   PyTorch (when measured) and the floor (``max(flops / peak FLOP/s, bytes / HBM B/s)``).
 * ``bench-full``: the same result files, every problem size, one row per variant with p10-p90, floor, achieved
   fraction and memory.
-* ``detection``: the latest ``verify-detection-*.json`` (``scripts/verify_detection_limits.py``): the smallest
+* ``headline``: the README's one table of measurements, a row per entry of ``HEADLINE`` (suite, device, dtype,
+  matmul precision): from the file the ``bench`` table shows for that suite, device and precision, the fastest
+  jaxgrad variant at the suite's headline size, its speedup over ``jax.grad`` of the reference and over the
+  PyTorch peer of the same run, the two peak memories where each variant ran in a fresh process, and the file.
+* ``detection``: the latest ``verify-detection-*.json`` (``python -m jaxgrad.bench verify_detection_limits``): the smallest
   planted scale error caught in all trials, per op, leaf size and precision.
-* ``kan-fit``: the latest ``kan_fit_*.json`` (``scripts/kan_fit.py``): train / test RMSE per grid, ours and pykan's.
+* ``kan-fit``: the latest KAN fit result (``scripts/kan_fit.py``, recognised by its content): train / test RMSE per
+  grid, ours and pykan's.
 
 ``bench.SUITE`` and ``bench-full.SUITE`` (e.g. ``<!-- table:bench.kan begin -->``) show one suite.
+
+Which file is shown never depends on its name: the suite, device and precision are read from the file's rows and
+``environment``, so renaming a result file changes only the link.
 
 "Latest" is the environment's ``datetime_utc`` (the file name's stamp where it is missing). Only the standard library
 is used, so the check runs anywhere (``tests/test_readme_tables.py`` runs it).
@@ -44,7 +52,7 @@ from collections.abc import Callable, Iterable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
-# What each suite times (scripts/bench.py), for the caption. Unknown suites are named as they are.
+# What each suite times (python -m jaxgrad.bench SUITE), for the caption. Unknown suites are named as they are.
 SUITE_TITLES = {
     "kan": "KAN: one `kan_linear` layer, forward + backward",
     "cnn": "CNN: the seed denoiser (1 -> 16 -> 16 -> 1 channels, 3x3 convs, ReLU), forward + backward",
@@ -52,6 +60,14 @@ SUITE_TITLES = {
     "lora": "LoRA: the Llama block, forward + backward",
 }
 SUITE_ORDER = ("kan", "cnn", "lora", "swiglu")
+# The README's headline measurements: (what, suite, device substring, dtype, matmul precision), one row each.
+HEADLINE = (
+    ("KAN layer (`kan_linear`), fwd + bwd", "kan", "H100", "f32", "default"),
+    ("CNN denoiser, fwd + bwd", "cnn", "H100", "f32", "default"),
+    ("CNN denoiser, fwd + bwd", "cnn", "H100", "bf16", "default"),
+    ("LoRA Llama decoder block, fwd + bwd", "lora", "H100", "bf16", "default"),
+    ("LoRA 4-layer Llama, training step", "lora_model", "H100", "bf16", "default"),
+)
 # The detection sweep's ops (jaxgrad.verify.calibration) and the leaf that carries the planted error.
 DETECTION_OPS = {"dense": "dense (W)", "conv_relu": "conv3x3+ReLU (x)", "attention": "softmax attention (q)",
                  "long_sum": "long sum (W)"}
@@ -100,7 +116,7 @@ def _stamp(path: pathlib.Path, env: dict) -> str:
 
 
 def load_bench(results: pathlib.Path) -> list[dict]:
-    """Every scripts/bench.py result file: {path, env, rows, suite, device, precision, stamp}."""
+    """Every benchmark result file: {path, env, rows, suite, device, precision, stamp}."""
     out = []
     for path in sorted(results.glob("*.json")):
         try:
@@ -294,6 +310,59 @@ def table_bench_full(results: pathlib.Path, suite: str | None = None) -> list[st
     return lines
 
 
+# ------------------------------------------------------------------------------------------------ headline
+def _precision_label(dtype: str, precision: str, platform: str | None) -> str:
+    if dtype == "f32" and precision == "default":
+        return "f32 (TF32)" if platform == "gpu" else "f32"
+    if dtype == "f32" and precision == "highest":
+        return "f32 (exact)"
+    return dtype if precision == "default" else f"{dtype} ({precision})"
+
+
+def _short_device(device: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "H100"."""
+    return re.sub(r"\s+\d+\s*GB\b.*$", "", device.removeprefix("NVIDIA ")).strip() or device
+
+
+def _fresh(row: dict) -> bool:
+    """Timed in a process of its own, so its peak memory is its own (the LoRA suites)."""
+    return "fresh process" in str(row.get("notes", ""))
+
+
+def table_headline(results: pathlib.Path, spec=None) -> list[str]:
+    """One row per ``HEADLINE`` entry; an entry without a result file reads "no result" (never silently dropped)."""
+    spec = HEADLINE if spec is None else spec
+    body = []
+    for what, suite, device, dtype, precision in spec:
+        f = next((f for (s, d), files in latest_bench(results, suite).items() if device in d
+                  for f in files if f["precision"] == precision), None)
+        rows = []
+        if f is not None:
+            headline = _groups(f["rows"])[0][0]
+            rows = [r for sizes, dt, rs in _groups(f["rows"]) if sizes == headline and dt == dtype for r in rs]
+        ours = [r for r in rows if not _is_torch(r["variant"]) and not _is_baseline(r["variant"]) and r.get("median_ms")]
+        if f is None or not ours:
+            body.append([what, f"{device}, {_precision_label(dtype, precision, 'gpu')}", "no result", "-", "-", "-", "-"])
+            continue
+        best = min(ours, key=lambda r: r["median_ms"])
+        base = next((r for r in rows if _is_baseline(r["variant"]) and r.get("median_ms")), None)
+        peer = next((r for r in rows if _is_torch(r["variant"]) and r.get("median_ms")), None)
+        mib = lambda r: f"{r['peak_bytes'] / 2**20:.0f}"  # noqa: E731
+        memory = (f"{mib(best)} / {mib(peer)} MiB" if peer and _fresh(best) and _fresh(peer)
+                  and best.get("peak_bytes") and peer.get("peak_bytes") else "-")
+        body.append([
+            what, f"{_short_device(f['device'])}, {_precision_label(dtype, precision, f['env'].get('platform'))}",
+            f"{fmt3(best['median_ms'])} ms (`{best['variant']}`)",
+            f"{fmt3(base['median_ms'] / best['median_ms'])}x" if base else "-",
+            f"**{fmt3(peer['median_ms'] / best['median_ms'])}x** ({peer['variant']})" if peer else "-",
+            memory, f"[{_date(f)}]({_rel(f['path'])})"])
+    return (["Median time of one step at each suite's headline size ([docs/benchmarks.md](" + _rel(ROOT / "docs" /
+             "benchmarks.md") + ")), the fastest jaxgrad variant against `jax.grad` of the plain-JAX reference and "
+             "against the PyTorch peer, all measured in the same run (the linked result file).", ""]
+            + _table(["measurement", "device, precision", "jaxgrad", "vs `jax.grad`", "vs PyTorch (same run)",
+                      "peak memory, jaxgrad / PyTorch", "result"], body))
+
+
 # ------------------------------------------------------------------------------------------------ detection
 def table_detection(results: pathlib.Path) -> list[str]:
     # a complete sweep: every op of the table (a run of some ops, ``--ops``, is a spot check and stays in its file)
@@ -307,7 +376,7 @@ def table_detection(results: pathlib.Path) -> list[str]:
     path, data = found
     env, rows = data.get("environment", {}), data.get("rows", [])
     # a newer emulated sweep of some cells (``--ops``) with as many trials replaces those cells: the verifier changed
-    # for them (e.g. session 11's gated kink jumps re-measured conv+ReLU only); the caption names it
+    # for them (e.g. a change to the kink gating re-measured conv+ReLU only); the caption names it
     base_stamp, trials_needed = _stamp(path, env), max((r["trials"] for r in rows), default=0)
     cells = {(r["op"], r["size"], r["precision"]): (base_stamp, r, path) for r in rows}
     for p, stamp, r in _emulated_rows(results):
@@ -422,10 +491,17 @@ def _detection_rows(rows: list[dict]) -> list[list[str]]:
 
 
 # ------------------------------------------------------------------------------------------------ KAN fit
+def _is_kan_fit(data) -> bool:
+    """A ``scripts/kan_fit.py`` result: a list of per-grid rows with ``G`` and ``train_rmse`` (whatever its name)."""
+    rows = data.get("results") if isinstance(data, dict) else None
+    return bool(rows) and isinstance(rows, list) and all(isinstance(r, dict) and {"G", "train_rmse"} <= r.keys()
+                                                         for r in rows)
+
+
 def table_kan_fit(results: pathlib.Path) -> list[str]:
-    found = _latest_json(results, "kan_fit_*.json")
+    found = _latest_json(results, "*.json", accept=_is_kan_fit)
     if found is None:
-        return ["(no `kan_fit_*.json` in `" + _rel(results) + "`)"]
+        return ["(no KAN fit result (`kan_fit.py --out-dir`) in `" + _rel(results) + "`)"]
     path, data = found
     body = []
     for r in data.get("results", []):
@@ -441,7 +517,8 @@ def table_kan_fit(results: pathlib.Path) -> list[str]:
 # A marker's name is a table, optionally with one argument after a dot: ``bench.kan`` is the bench table of the kan
 # suite alone.
 TABLES: dict[str, Callable[..., list[str]]] = {
-    "bench": table_bench, "bench-full": table_bench_full, "detection": table_detection, "kan-fit": table_kan_fit}
+    "bench": table_bench, "bench-full": table_bench_full, "detection": table_detection, "kan-fit": table_kan_fit,
+    "headline": table_headline}
 
 
 # ------------------------------------------------------------------------------------------------ files
