@@ -1,4 +1,4 @@
-"""NF4 (``jaxgrad.lora.nf4``): bitsandbytes' own bytes, an independent NumPy restatement, and properties.
+"""NF4 (``jaxgrad.ops.nf4``, re-exported as ``jaxgrad.lora.nf4``): bitsandbytes' own bytes, an independent NumPy restatement, and properties.
 
 The fixture ``tests/fixtures/nf4_bnb_fixture.npz`` was written by ``tests/fixtures/make_nf4_bnb_fixture.py`` with
 bitsandbytes 0.50.2 (torch 2.11, CPU and CUDA of an H200 machine); see ``docs/lora_io.md``.
@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxgrad.lora import nf4
-from jaxgrad.lora.nf4 import (
+from jaxgrad.ops import nf4
+from jaxgrad.ops.nf4 import (
     DYNAMIC_CODE,
     NF4_CODE,
     NF4Weight,
@@ -34,6 +34,15 @@ CODE = np.array(
      0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0],
     dtype=F32,
 )
+
+
+def test_the_lora_family_path_names_the_same_objects():
+    # jaxgrad.lora.nf4 is where QLoRA users import NF4 from: every public name there is the shared format's own
+    from jaxgrad.lora import nf4 as lora_nf4
+
+    assert set(lora_nf4.__all__) == set(nf4.__all__)
+    for name in nf4.__all__:
+        assert getattr(lora_nf4, name) is getattr(nf4, name), name
 
 
 # --------------------------------------------------------------------------------------------- restatement

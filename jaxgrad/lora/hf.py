@@ -29,7 +29,7 @@ except two harmless extras: ``...self_attn.rotary_emb.inv_freq`` buffers (old ch
 config) and, for a tied model, an ``lm_head.weight`` equal to the embedding.
 
 Options: ``dtype`` (cast every weight; ``None`` keeps the stored dtype) and ``quantize="nf4"`` (the 7 projection
-weights of every layer become :class:`jaxgrad.lora.nf4.NF4Weight`, quantised from the weight *after* the cast to
+weights of every layer become :class:`jaxgrad.ops.nf4.NF4Weight`, quantised from the weight *after* the cast to
 ``dtype``, as transformers + bitsandbytes do with ``torch_dtype`` and ``load_in_4bit``). The embedding, the norms
 and the LM head are never quantised (bitsandbytes leaves them alone too). Names and shapes are checked from the
 files' headers before any data is read; weights are then read, cast and quantised one at a time, so loading a
@@ -49,8 +49,8 @@ import numpy as np
 
 from jaxgrad.checks import check_float_dtype
 from jaxgrad.lora.config import LlamaConfig, layer_module_name
-from jaxgrad.lora.nf4 import NF4Weight, nf4_dequantize, nf4_quantize
 from jaxgrad.lora.peft import MODULE_GROUPS, _check_output_directory, _replacing
+from jaxgrad.ops.nf4 import NF4Weight, nf4_dequantize, nf4_quantize
 
 __all__ = [
     "CONFIG_NAME",

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.lora.nf4 import NF4Weight, nf4_absmax, nf4_dequantize
-from jaxgrad.ops import nf4_matmul  # the module, not its names: jaxgrad.ops.nf4_matmul imports jaxgrad.lora
+from jaxgrad.ops import nf4_matmul
+from jaxgrad.ops.nf4 import NF4Weight, nf4_absmax, nf4_dequantize
 from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_pallas, rms_norm_fwd_pallas, rms_norm_rstd
 from jaxgrad.ops.swiglu import _bwd_math as swiglu_bwd_math
 from jaxgrad.ops.swiglu import swiglu_bwd_pallas, swiglu_fwd_pallas, swiglu_reference
@@ -57,7 +57,7 @@ BACKENDS = ("xla", "reference", "pallas", "mosaic")  # block(backend=...); "refe
 
 def base_weight(w, dtype):
     """The frozen ``[out, in]`` weight in ``dtype``: ``w`` itself if it is an array, else an NF4 weight dequantised
-    (:func:`jaxgrad.lora.nf4.nf4_dequantize`). The XLA path's base operand, and what the Mosaic GPU kernels read."""
+    (:func:`jaxgrad.ops.nf4.nf4_dequantize`). The XLA path's base operand, and what the Mosaic GPU kernels read."""
     if isinstance(w, (jax.Array, np.ndarray)):
         return w if w.dtype == dtype else w.astype(dtype)
     return nf4_dequantize(w, dtype)

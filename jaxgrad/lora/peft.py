@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.lora.config import PROJECTIONS, LoraConfig
-from jaxgrad.lora.nf4 import NF4Weight, nf4_dequantize
+from jaxgrad.ops.nf4 import NF4Weight, nf4_dequantize
 
 __all__ = [
     "MODULE_GROUPS",

@@ -58,7 +58,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxgrad import pallas_backend as pb
-from jaxgrad.lora.nf4 import NF4_CODE, NF4Weight, nf4_absmax, nf4_dequantize
+from jaxgrad.ops.nf4 import NF4_CODE, NF4Weight, nf4_absmax, nf4_dequantize
 
 __all__ = ["nf4_matmul", "nf4_matmul_reference"]
 
