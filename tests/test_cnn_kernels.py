@@ -278,7 +278,7 @@ def test_empty_batch():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU (Triton): run on an H100/H200 with the device tool
+# GPU (Triton): compiled kernels on an H100/H200
 # ---------------------------------------------------------------------------------------------------------------
 GPU_MODES = {  # name: (dtype, precision, k_op, u_op)
     "f32-tf32": (jnp.float32, None, 8, TF32_U),

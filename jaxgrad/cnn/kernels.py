@@ -63,25 +63,21 @@ in ``cdt``.
 * row-strip variant of the forward / input grad (``rows_per_program=R``, off by default): grid
   ``(cdiv(W, bp), cdiv(N*H, R))``; a program walks ``R`` image rows of one ``bp``-wide column strip and keeps the
   three column-shifted windows of the two previous rows in registers, so each input row is loaded 3 times instead
-  of 9. Correct (CPU tests; on the H100 it reproduces the default to 4e-7) but not faster: 16->16 forward 0.36 ms
-  at best (bp=128, R=32, 4 warps) vs 0.36 ms flat; input grad 0.70 ms vs 0.53-0.61 ms flat. The re-reads of the
-  flat kernel are evidently served by L1/L2.
+  of 9. It meets the same error bound as the flat kernel but is not faster on an H100: the flat kernel's re-reads
+  are served by L1/L2.
 
 **Default blocks** (:data:`FWD_DEFAULTS`, :data:`INPUT_GRAD_DEFAULTS`, :data:`WEIGHT_GRAD_DEFAULTS`):
-``block_p`` positions per block (a power of two >= 16), Triton ``num_warps`` / ``num_stages``, picked with
-``scripts/cnn_kernels_gpu_check.py --sweep`` on an H100 (N=2, 1024x1024, 16->16, f32 TF32): forward and input
-grad are flat within noise for ``block_p`` 128-512 and 4/8 warps (0.36-0.44 ms and 0.56-0.61 ms); weight grad
-``block_p=128``, 4 warps, 2 stages 0.66 ms (64: 0.72; 256: 1.17; 8 warps 1.1-1.7; ``block_p=512`` spills to
-14-19 ms and with 2 stages exceeds shared memory, 384 KB). ``num_splits`` 264-1024 are equal; 132 is slower.
+``block_p`` positions per block (a power of two >= 16), Triton ``num_warps`` / ``num_stages``, picked by timing
+the launch configurations of ``tests/test_cnn_kernels_gpu.py`` (which checks each one's accuracy) on an H100 at
+N=2, 1024x1024, 16->16, f32 TF32: forward and input grad are flat within noise for ``block_p`` 128-512 and 4/8
+warps; the weight grad wants ``block_p=128``, 4 warps, 2 stages (``block_p=512`` spills, and with 2 stages exceeds
+shared memory).
 
-**Measured** (H100 80GB HBM3, N=2, 1024x1024, median ms; floor = each input read once and each output written
-once at 3.35 TB/s). Whole denoiser 1->16->16->1 loss + gradient from these kernels vs ``jax.value_and_grad`` of
-the XLA (cuDNN) net: TF32 2.99 vs 3.71; bf16 1.54 vs 3.56; IEEE f32 6.63 vs 6.04 (floor 0.57 f32, 0.29 bf16).
-Per kernel (TF32): forward 0.28 / 0.36 / 0.34 (1->16 / 16->16 / 16->1), input grad 0.51 / 0.53 / 0.26,
-weight grad 0.63 / 0.63 / 0.81. The kernels are bound by the 9 (forward, weight grad) or 18 (input grad with
+**Measured**: the whole denoiser's loss + gradient from these kernels against ``jax.value_and_grad`` of the XLA
+(cuDNN) network and PyTorch is the ``cnn`` benchmark suite (``python -m jaxgrad.bench cnn``; tables and result
+files in ``docs/benchmarks.md``). The kernels are bound by the 9 (forward, weight grad) or 18 (input grad with
 ``y``) window loads per block through L1/L2 and by the padded-to-16-channel dots of the 1-channel layers, not by
-HBM (2.5-8x above their floors). With ``HIGHEST`` the 1->16 weight grad is slow (3.0 ms): an IEEE FMA dot whose
-padded ``K=16`` is 15/16 zeros.
+HBM. With ``HIGHEST`` the 1->16 weight grad is slow: an IEEE FMA dot whose padded ``K=16`` is 15/16 zeros.
 """
 
 from __future__ import annotations
