@@ -16,6 +16,7 @@ import pytest
 
 from jax.extend import core as jex_core
 
+from jaxgrad.kan import basis_tiles, kernel_config
 from jaxgrad.kan import kernels as K
 from jaxgrad.kan.spline import bspline_basis, bspline_basis_derivative
 
@@ -168,9 +169,10 @@ def test_large_grid_pads_the_bases_and_widens_the_contraction():
     """G=20, k=5: NB=25 bases padded to 32 with zero tiles; the default tables ask for 8 inputs per tile in dcoef
     (K=256) and allow 4 in the forward and dx (K=128); min_inputs=1 with block_k=32 is the narrowest case."""
     x, grid, coef, g = make_inputs(23, 9, 11, 6, 20, 5)
-    assert K._contraction_width(K.DCOEF_DEFAULTS, 25) == 256 and K._contraction_width(K.DX_DEFAULTS, 25) == 128
-    assert K._contraction_width(K.FWD_DEFAULTS, 25) == 128
-    assert K._contraction_width(K.DCOEF_DEFAULTS, 8) == 128  # G=5, k=3: unchanged
+    assert kernel_config.contraction_width(K.DCOEF_DEFAULTS, 25) == 256
+    assert kernel_config.contraction_width(K.DX_DEFAULTS, 25) == 128
+    assert kernel_config.contraction_width(K.FWD_DEFAULTS, 25) == 128
+    assert kernel_config.contraction_width(K.DCOEF_DEFAULTS, 8) == 128  # G=5, k=3: unchanged
     check_all(x, grid, coef, g, 5, F32_TOL)
     check_all(x, grid, coef, g, 5, F32_TOL, blocks=dict(min_inputs=1, block_k=32))
 
@@ -179,7 +181,7 @@ def test_basis_tile_puts_basis_m_of_input_i_in_column_i_times_nbp_plus_m():
     """The layout every dot relies on: the row-major flattening of efficient-kan's [out, in, NB] coefficients."""
     n, bb, bk = 8, 3, 4
     tiles = [jnp.full((bb, bk), 10.0 * m) + jnp.arange(bk)[None, :] for m in range(n)]  # T_m[:, i] = 10 m + i
-    tile = np.asarray(K._interleave(tiles))
+    tile = np.asarray(basis_tiles.interleave(tiles))
     want = np.array([[10.0 * m + i for i in range(bk) for m in range(n)]] * bb)
     np.testing.assert_array_equal(tile, want)
 
@@ -187,7 +189,7 @@ def test_basis_tile_puts_basis_m_of_input_i_in_column_i_times_nbp_plus_m():
 @pytest.mark.parametrize("n_in, nbp, block_k, bk", [(512, 8, 128, 16), (512, 32, 128, 4), (3, 8, 128, 4),
                                                     (512, 256, 128, 1), (1, 4, 128, 4), (17, 2, 16, 8)])
 def test_input_tile_keeps_the_contraction_at_block_k_and_at_least_16(n_in, nbp, block_k, bk):
-    assert K._input_block(n_in, nbp, block_k) == bk
+    assert basis_tiles.input_block(n_in, nbp, block_k) == bk
     assert bk * nbp >= 16
 
 
@@ -302,9 +304,10 @@ def test_gpu_triton_ragged_shapes_and_orders(k):
 
 
 def test_pipeline_stages_fall_back_to_one_when_shared_memory_would_overflow():
-    assert K._stages(None, 64 * 1024) == 2
-    assert K._stages(None, 120 * 1024) == 1  # two copies would exceed the ~200 KB budget (227 KB per block)
-    assert K._stages(3, 120 * 1024) == 3  # an explicit value is honoured
+    assert kernel_config.pipeline_stages(None, 64 * 1024) == 2
+    # two copies would exceed the ~200 KB budget (227 KB per block)
+    assert kernel_config.pipeline_stages(None, 120 * 1024) == 1
+    assert kernel_config.pipeline_stages(3, 120 * 1024) == 3  # an explicit value is honoured
 
 
 def test_exact_f32_precisions_pick_their_own_launch_defaults():
@@ -312,7 +315,18 @@ def test_exact_f32_precisions_pick_their_own_launch_defaults():
     shared memory (the TF32 tiles overflow it), so both use smaller tiles."""
     hi = jax.lax.Precision.HIGHEST
     for kernel, tf32 in (("fwd", K.FWD_DEFAULTS), ("dcoef", K.DCOEF_DEFAULTS), ("dx", K.DX_DEFAULTS)):
-        assert K._defaults(kernel, None) is tf32
-        assert K._defaults(kernel, jax.lax.DotAlgorithmPreset.TF32_TF32_F32) is tf32
+        assert kernel_config.launch_defaults(kernel, None) is tf32
+        assert kernel_config.launch_defaults(kernel, jax.lax.DotAlgorithmPreset.TF32_TF32_F32) is tf32
         for p in (hi, (hi, hi), jax.lax.DotAlgorithmPreset.F32_F32_F32, jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3):
-            assert K._defaults(kernel, p) is K.EXACT_F32_DEFAULTS[kernel]
+            assert kernel_config.launch_defaults(kernel, p) is K.EXACT_F32_DEFAULTS[kernel]
+
+
+def test_the_kernels_module_names_every_public_kernel_and_its_defaults():
+    """The split modules stay one public surface: everything in ``jaxgrad.kan.kernels.__all__`` is importable from it,
+    and the kernels and defaults are the objects of the modules that define them."""
+    from jaxgrad.kan import backward_kernels, forward_kernel
+    assert all(hasattr(K, name) for name in K.__all__)
+    assert K.kan_spline_forward is forward_kernel.kan_spline_forward
+    assert (K.kan_spline_backward, K.kan_spline_dcoef, K.kan_spline_dx) == (
+        backward_kernels.kan_spline_backward, backward_kernels.kan_spline_dcoef, backward_kernels.kan_spline_dx)
+    assert K.FWD_DEFAULTS is kernel_config.FWD_DEFAULTS and K.EXACT_F32_DEFAULTS is kernel_config.EXACT_F32_DEFAULTS
