@@ -8,7 +8,8 @@ Functional API (params are lists of ``{"w": HWIO, "b": [Cout]}`` dicts):
 * :mod:`jaxgrad.cnn.denoiser`: :class:`DenoiserConfig`, ``init``, ``apply``, ``mse_loss``, ``make_train_step``,
   ``train``; :mod:`jaxgrad.cnn.nnx` for the flax.nnx wrapper;
 * :mod:`jaxgrad.cnn.kernels`: fused Pallas 3x3 kernels (forward with bias + ReLU, input and weight gradients);
-* :mod:`jaxgrad.cnn.data` (MRC stacks, bounded-memory shuffled streams, Noise2Noise pairs) and
+* :mod:`jaxgrad.cnn.data` (MRC stacks, bounded-memory shuffled streams, Noise2Noise pairs; defined in
+  :mod:`jaxgrad.cnn.mrc` and :mod:`jaxgrad.cnn.stream`) and
   :mod:`jaxgrad.cnn.synthetic` (projections of random 3-D densities).
 """
 
