@@ -43,7 +43,7 @@ reads 0 in the padded columns; the weights are zero-padded by the wrapper, param
   block (unshifted) and the 9 shifted ``x`` windows, and accumulates ``dW_t^T[cop, cip] += g_z^T @ X_t`` (a dot
   contracting the position axis of both operands) and ``db += sum_p g_z`` in registers. Oriented this way the one
   transposed dot operand, ``g_z^T``, is shared by the 9 dots (with ``X_t^T @ g_z`` every tap transposed its own
-  f32 window: 2.2-3.6 ms instead of 0.63-0.81 ms per layer on an H100 in TF32). Each program writes one
+  f32 window, 3-5x slower per layer on an H100 in TF32). Each program writes one
   ``[9, cop, cip]`` (+ ``[1, cop]``) f32 partial; XLA sums the ``S`` partials (deterministic: no atomics; no
   im2col matrix is ever written). ``S`` (``num_splits``) defaults to ``min(blocks, 512)`` on the GPU (2-4
   programs per SM of an H100/H200) and ``min(blocks, 3)`` in interpret mode (serial grid).
