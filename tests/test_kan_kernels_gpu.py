@@ -9,6 +9,8 @@ contraction) -- must meet the same tolerance as the defaults. Sizes are odd (no 
 Their timings belong to the benchmark suites (``jaxgrad.bench``).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -82,13 +84,20 @@ def _run(kind, cfg, x, grid, coef, g, k, precision):
     return K.kan_spline_dx(x, grid, coef, g, k, precision=precision, interpret=False, **cfg)
 
 
+@functools.lru_cache(maxsize=None)
+def _case(grid_size, mode, k=3):
+    """Odd sizes (B 1031, in 129, out 257) and the float64 reference, once per grid size and mode."""
+    x, grid, coef, g = make_inputs(1000 + grid_size, 1031, 129, 257, grid_size, k, MODES[mode][0])
+    (y_w, dx_w, dc_w), (m_y, m_dx, m_dc) = reference64(x, grid, coef, g, k)
+    return (x, grid, coef, g), {"fwd": (y_w, m_y), "dx": (dx_w, m_dx), "dcoef": (dc_w, m_dc)}
+
+
 @pytest.mark.parametrize("kind, cfg, mode, grid_size", CASES)
 def test_gpu_launch_configuration_meets_the_error_model(kind, cfg, mode, grid_size):
     dtype, precision, tol = MODES[mode]
     k = 3
-    x, grid, coef, g = make_inputs(1000 + grid_size, 1031, 129, 257, grid_size, k, dtype)
-    (y_w, dx_w, dc_w), (m_y, m_dx, m_dc) = reference64(x, grid, coef, g, k)
-    want, mag = {"fwd": (y_w, m_y), "dx": (dx_w, m_dx), "dcoef": (dc_w, m_dc)}[kind]
+    (x, grid, coef, g), reference = _case(grid_size, mode, k)
+    want, mag = reference[kind]
     got = _run(kind, cfg, x, grid, coef, g, k, precision)
     assert got.dtype == dtype
     assert_close_to_magnitude(kind, got, want, mag, tol)
