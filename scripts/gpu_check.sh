@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh verify                       # the cost of a verdict (block backends xla, mosaic)
 #   bash scripts/gpu_check.sh false-alarms                 # the verifier's mixed-precision false-alarm sweep
 #   bash scripts/gpu_check.sh audit                        # `jaxgrad audit` on the GPU
-#   bash scripts/gpu_check.sh bench lora attention         # benchmark suites (scripts/bench.py)
+#   bash scripts/gpu_check.sh bench lora attention         # benchmark suites (python -m jaxgrad.bench SUITE)
 #   GPU_CHECK_OUT=/tmp/x bash scripts/gpu_check.sh ...     # the folder (default runs/gpu-check/<UTC date-time>)
 #
 # Environment: GPU_CHECK_BUDGET_S (seconds a stage may take, default 540), FALSE_ALARM_RUNS (default 200),
@@ -45,18 +45,18 @@ case "$stage" in
     run_logged gpu-tests "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider "${@:-tests}" ;;
   verify)
     for backend in xla mosaic; do
-      run_logged "verify-cost-$backend" "$PY" scripts/verify_cost.py --backend "$backend" --repeats 2 \
-        --json "$DIR/verify-cost-$backend.json"
+      run_logged "verify-cost-$backend" "$PY" -m jaxgrad.bench verify_cost --backend "$backend" --repeats 2 \
+        --out "$DIR"
     done ;;
   false-alarms)
-    run_logged verify-false-alarms-mixed "$PY" scripts/verify_false_alarms.py --mode mixed \
+    run_logged verify-false-alarms-mixed "$PY" -m jaxgrad.bench verify_false_alarms --mode mixed \
       --n "${FALSE_ALARM_RUNS:-200}" --jobs "${FALSE_ALARM_JOBS:-8}" --seed "${FALSE_ALARM_SEED:-0}" \
       --planted-share "${FALSE_ALARM_PLANTED_SHARE:-0.5}" --budget-s "$((BUDGET - 30))" --out "$DIR" ;;
   audit)
     run_logged audit "$PY" -m jaxgrad.cli audit --json "$DIR/audit.json" ;;
   bench)
     for suite in "${@:-lora}"; do
-      run_logged "bench-$suite" "$PY" scripts/bench.py "$suite" --out "$DIR"
+      run_logged "bench-$suite" "$PY" -m jaxgrad.bench "$suite" --out "$DIR"
     done ;;
   *)
     echo "usage: bash scripts/gpu_check.sh tests [FILES...] | verify | false-alarms | audit | bench [SUITES...]" >&2

@@ -1,5 +1,5 @@
-"""The attention suite of scripts/bench.py (issue #13 item 2: cuDNN against our kernels, in numbers): its variants
-compute the same gradients, and the suite runs here with a row per variant."""
+"""The ``attention`` suite of ``python -m jaxgrad.bench`` (issue #13 item 2: cuDNN against our kernels, in numbers):
+its variants compute the same gradients, and the suite runs here with a row per variant."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
-"""Fast CPU tests of the benchmark harness (:mod:`jaxgrad.bench.harness`) and ``scripts/bench.py``."""
+"""Fast CPU tests of the benchmark harness (:mod:`jaxgrad.bench.harness`) and its command line
+(``python -m jaxgrad.bench``, ``jaxgrad bench``, ``scripts/bench.py``)."""
 
 from __future__ import annotations
 
@@ -107,7 +108,9 @@ def test_run_variants_and_write_results(tmp_path, tiny):
 
     path = bm.write_results(rows, "toy", out_dir=tmp_path / "res")
     assert path.parent == tmp_path / "res" and path.suffix == ".json"
-    assert path.name.startswith(f"toy-{bm.device_slug()}-")
+    platform_precision = "tf32" if jax.default_backend() == "gpu" else "default"  # f32 rows, default precision
+    assert path.name.startswith(f"toy-{bm.device_slug()}-{platform_precision}-")
+    assert len(path.stem.rsplit("-", 2)[1]) == 8 and len(path.stem.rsplit("-", 2)[2]) == 6  # YYYYmmdd-HHMMSS
     data = json.loads(path.read_text())
     assert set(data) == {"environment", "rows"}
     assert data["environment"]["device_kind"] == jax.devices()[0].device_kind
@@ -163,6 +166,28 @@ def test_device_slug():
     assert bm.device_slug("cpu") == "cpu"
 
 
+def test_a_result_file_is_named_suite_device_precision_date_time():
+    import datetime as dt
+
+    when = dt.datetime(2026, 11, 26, 15, 15, 2, tzinfo=dt.timezone.utc)
+    env = {"device_kind": "NVIDIA H100 80GB HBM3"}
+    assert bm.result_stem("lora", env, "bf16", when) == "lora-nvidia-h100-80gb-hbm3-bf16-20261126-151502"
+    assert bm.result_stem("kan", {"device_kind": "cpu"}, "default", when) == "kan-cpu-default-20261126-151502"
+    with pytest.raises(ValueError, match="suite must be a non-empty file-name-safe word"):
+        bm.result_stem("a/b", env, "bf16", when)
+
+
+@pytest.mark.parametrize("precision, dtypes, platform, slug", [
+    ("highest", ["f32"], "gpu", "highest"),        # f32-exact products, whatever the device
+    (None, ["bf16", "bf16"], "gpu", "bf16"),       # every row in one low precision
+    (None, ["f32", "bf16"], "gpu", "tf32"),        # f32 rows at the default precision: TF32 on an NVIDIA GPU
+    ("default", ["f32"], "cpu", "default"),
+    ("emulated", [], "cpu", "emulated"),           # a sweep over precisions names itself
+])
+def test_the_precision_a_result_is_named_by(precision, dtypes, platform, slug):
+    assert bm.precision_slug(precision, dtypes, platform) == slug
+
+
 def _committed_results() -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in (REPO / "benchmarks/results").iterdir()}
 
@@ -172,7 +197,7 @@ def test_bench_script_swiglu_small_writes_outside_the_repository_by_default():
     # README's tables come from: it writes into the git-ignored runs/bench (these files are removed afterwards)
     before, out = _committed_results(), REPO / "runs/bench"
     earlier = set(out.glob("swiglu-*")) if out.exists() else set()
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "swiglu", "--sizes", "small", "--repeats", "2"],
+    proc = subprocess.run([sys.executable, "-m", "jaxgrad.bench", "swiglu", "--sizes", "small", "--repeats", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     written = sorted(set(out.glob("swiglu-*")) - earlier) if out.exists() else []
     try:
@@ -215,21 +240,22 @@ def test_bench_script_lora_proj_small(tmp_path):
 
 
 @pytest.mark.parametrize("script, option", [
-    ("lora_profile.py", "--out"), ("nf4_matmul_timing.py", "--out"), ("lora_curve_drift.py", "--out"),
-    ("kan_fit.py", "--out-dir"), ("cnn_precision.py", "--out"), ("verify_false_alarms.py", "--out"),
-    ("verify_detection_limits.py", "--out"), ("bench.py", "--out"),
+    ("lora_profile", "--out"), ("nf4_matmul", "--out"), ("lora_curve_drift", "--out"),
+    ("scripts/kan_fit.py", "--out-dir"), ("scripts/cnn_precision.py", "--out"), ("verify_false_alarms", "--out"),
+    ("verify_detection_limits", "--out"), ("kan", "--out"),
 ])
 def test_measurement_scripts_write_outside_the_repository_by_default(script, option):
-    """Every script that writes results defaults to the git-ignored ``runs/bench`` (``DEFAULT_RESULTS_DIR``): running
-    it never changes the committed ``benchmarks/results`` the README's tables are made from; committing a result is
-    an explicit ``--out benchmarks/results``."""
-    args = ["kan", "--help"] if script == "bench.py" else ["--help"]
-    proc = subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=REPO, capture_output=True, text=True,
+    """Every suite, tool or script that writes results defaults to the git-ignored ``runs/bench``
+    (``DEFAULT_RESULTS_DIR``): running it never changes the committed ``benchmarks/results`` the README's tables are
+    made from; committing a result is an explicit ``--out benchmarks/results``."""
+    cmd = [script] if script.startswith("scripts/") else ["-m", "jaxgrad.bench", script]
+    proc = subprocess.run([sys.executable, *cmd, "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "COLUMNS": "400"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = " ".join(proc.stdout.split())
     assert bm.DEFAULT_RESULTS_DIR == "runs/bench" and option in text
     assert f"default: {bm.DEFAULT_RESULTS_DIR}, git-ignored" in text or \
         f"default {bm.DEFAULT_RESULTS_DIR}/cnn-precision-" in text, text
-    src = (REPO / "scripts" / script).read_text()
+    module = "__main__" if script == "kan" else script
+    src = (REPO / (script if script.startswith("scripts/") else f"jaxgrad/bench/{module}.py")).read_text()
     assert 'default="benchmarks/results"' not in src and '/ "benchmarks/results"' not in src

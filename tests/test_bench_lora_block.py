@@ -1,6 +1,6 @@
-"""The ``lora`` benchmark suite (scripts/bench.py lora, jaxgrad/bench/lora_block.py): the FLOP count and floor at the
-issue's shape, and an end-to-end ``--sizes small`` run on this machine (each variant in its own process; the torch
-variant skipped with a note where torch is missing), whose rows agree on the block's outputs."""
+"""The ``lora`` benchmark suite (``python -m jaxgrad.bench lora``, :mod:`jaxgrad.bench.lora_block`): the FLOP count
+and floor at the issue's shape, and an end-to-end ``--sizes small`` run on this machine (each variant in its own
+process; the torch variant skipped with a note where torch is missing), whose rows agree on the block's outputs."""
 
 import json
 import pathlib
@@ -63,17 +63,17 @@ def test_variant_names_and_a_failing_child_comes_back_as_a_row():
 def test_bench_lora_small_runs_here_each_variant_in_its_own_process(tmp_path):
     on_gpu = jax.default_backend() == "gpu"
     attn = "cudnn" if on_gpu else "sdpa(xla)"
-    cmd = [sys.executable, str(ROOT / "scripts/bench.py"), "lora", "--sizes", "small", "--repeats", "2",
+    cmd = [sys.executable, "-m", "jaxgrad.bench", "lora", "--sizes", "small", "--repeats", "2",
            "--warmup", "1", "--out", str(tmp_path), "--variants", f"custom_vjp {attn},reference) xla,torch"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob("lora-*.json")
+    (path,) = tmp_path.glob("lora-*-bf16-*.json")
     data = json.loads(path.read_text())
     rows = {r["variant"]: r for r in data["rows"]}
     assert set(rows) == {f"custom_vjp {attn}", f"custom_vjp {attn} nf4", "jax.grad(reference) xla-attn",
                          bench.TORCH_VARIANT}
     env = data["environment"]
-    assert env["command"].startswith("bench.py lora --sizes small") and env["commit"] and env["dirty"]
+    assert " -m jaxgrad.bench lora --sizes small" in env["command"] and env["commit"] and env["dirty"]
     assert any(line.startswith("FLOPs = ") for line in env["suite_notes"])
     txt = path.with_suffix(".txt").read_text()
     assert txt.startswith("# device: ") and "# FLOPs = " in txt and "fresh process" in txt

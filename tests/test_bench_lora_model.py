@@ -1,6 +1,6 @@
-"""The ``lora_model`` benchmark suite (scripts/bench.py lora_model, jaxgrad/bench/lora_model.py): the FLOP count at
-the issue's shape, the training step it times (a real step: the loss falls; the custom VJP's step equals jax.grad's
-in float64), and an end-to-end ``--sizes small`` run here (each variant in its own process, the torch one skipped
+"""The ``lora_model`` benchmark suite (``python -m jaxgrad.bench lora_model``, :mod:`jaxgrad.bench.lora_model`): the
+FLOP count at the issue's shape, the training step it times (a real step: the loss falls; the custom VJP's step equals
+jax.grad's in float64), and an end-to-end ``--sizes small`` run here (each variant in its own process, the torch one skipped
 with its reason where torch is missing)."""
 
 import json
@@ -97,16 +97,16 @@ def test_apply_refuses_sdpa_with_a_kernel_backend():
 
 def test_bench_lora_model_small_runs_here_each_variant_in_its_own_process(tmp_path):
     on_gpu = jax.default_backend() == "gpu"
-    cmd = [sys.executable, str(ROOT / "scripts/bench.py"), "lora_model", "--sizes", "small", "--repeats", "2",
+    cmd = [sys.executable, "-m", "jaxgrad.bench", "lora_model", "--sizes", "small", "--repeats", "2",
            "--warmup", "1", "--out", str(tmp_path), "--variants", "custom_vjp,reference,torch"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob("lora_model-*.json")
+    (path,) = tmp_path.glob("lora_model-*-bf16-*.json")
     data = json.loads(path.read_text())
     rows = {r["variant"]: r for r in data["rows"]}
     assert set(rows) == set(bench_model.variant_names(on_gpu))
     env = data["environment"]
-    assert env["command"].startswith("bench.py lora_model --sizes small") and env["commit"]
+    assert " -m jaxgrad.bench lora_model --sizes small" in env["command"] and env["commit"]
     assert any(line.startswith("FLOPs = ") for line in env["suite_notes"])
     txt = path.with_suffix(".txt").read_text()
     assert txt.startswith("# device: ") and "# FLOPs = " in txt and "tokens/s" in txt and "fresh process" in txt

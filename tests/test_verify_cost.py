@@ -2,7 +2,7 @@
 
 The cost of a verdict on a GPU is mostly XLA compilation (several times slower per program than on the CPU), so the
 number of programs a ``check_vjp`` compiles is what these tests pin down (docs/verify.md, "The cost of a verdict";
-``scripts/verify_cost.py`` measures the yardstick block).
+``python -m jaxgrad.bench verify_cost`` measures the yardstick block).
 """
 
 import jax

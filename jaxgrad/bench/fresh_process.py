@@ -2,21 +2,18 @@ r"""The fresh-process harness of the LoRA benchmark suites (``lora``: :mod:`jaxg
 :mod:`jaxgrad.bench.lora_model`): each variant runs in its own child process (``python -m <suite module> --child
 NAME``), so that the device's peak memory it reports is its own; the child prints its row after :data:`ROW_TAG` and
 the parent collects it, or a row saying why there is none (a crash, a timeout, a spent budget, a missing library).
-Also the torch side's timing and what it needs.
+The torch side's timing and configuration are :mod:`jaxgrad.bench.peers`'.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import time
-
-import numpy as np
 
 from jaxgrad.bench import harness as bm
 
@@ -39,53 +36,6 @@ def compile_and_time(row: bm.Row, fn, args: tuple, *, warmup: int, repeats: int)
     row.min_ms, row.repeats = timing["min_ms"], timing["repeats"]
     row.peak_bytes = bm.device_peak_bytes()
     return compiled, peak_compile
-
-
-def sdpa_llama_config(transformers, rope_theta: float, **kw):
-    """A transformers ``LlamaConfig`` with SDPA attention (refused if the installed version picks another), its RoPE
-    base set to ``rope_theta`` whichever field the version keeps it in."""
-    try:
-        cfg = transformers.LlamaConfig(**kw, rope_theta=rope_theta, attn_implementation="sdpa")
-    except TypeError:
-        cfg = transformers.LlamaConfig(**kw, rope_theta=rope_theta)
-    cfg._attn_implementation = "sdpa"
-    if getattr(cfg, "_attn_implementation", None) != "sdpa":
-        raise RuntimeError(f"transformers config: attention implementation {cfg._attn_implementation!r}, not sdpa")
-    rp = getattr(cfg, "rope_parameters", None)
-    if isinstance(rp, dict) and float(rp.get("rope_theta", rope_theta)) != rope_theta:
-        cfg.rope_parameters = {**rp, "rope_theta": rope_theta}
-    return cfg
-
-
-def torch_missing() -> str | None:
-    """Why the torch variant cannot run here (None if it can, as far as imports go)."""
-    missing = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
-    return f"skipped: {', '.join(missing)} not installed" if missing else None
-
-
-def time_torch(step, row: bm.Row, *, warmup: int, repeats: int) -> None:
-    """Time a CUDA ``step()`` into ``row``: the first call (kernel selection, lazy init) as ``compile_ms``, then
-    ``warmup`` untimed calls, then ``repeats`` calls each ended by ``torch.cuda.synchronize()`` (the harness's
-    clock: :func:`jaxgrad.bench.harness.time_fn`); ``peak_bytes`` = ``torch.cuda.max_memory_allocated()`` since the
-    process started (never reset). The outputs are dropped as they come (none is kept alive across calls)."""
-    import torch
-
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    row.compile_ms = (time.perf_counter() - t0) * 1e3
-    for _ in range(max(0, warmup)):
-        step()
-    torch.cuda.synchronize()
-    times = np.empty(repeats)
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times[i] = (time.perf_counter() - t0) * 1e3
-    row.median_ms, row.p10_ms = float(np.median(times)), float(np.percentile(times, 10))
-    row.p90_ms, row.min_ms, row.repeats = float(np.percentile(times, 90)), float(times.min()), repeats
-    row.peak_bytes = int(torch.cuda.max_memory_allocated())  # since the process started, never reset
 
 
 _PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"

@@ -38,24 +38,19 @@ tensor-core precision use the BF16 peak. On CPU or an unknown device every floor
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
-import importlib.metadata
 import json
 import math
-import os
 import pathlib
-import platform
-import re
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from jaxgrad.bench.environment import (device_slug, dtype_name, environment, precision_slug, provenance,  # noqa: F401
+                                       result_stem)
+from jaxgrad.bench.roofline import PEAKS, DevicePeaks, floor_ms, lookup_peaks  # noqa: F401
 
 __all__ = [
     "DEFAULT_RESULTS_DIR",
@@ -72,118 +67,13 @@ __all__ = [
     "format_table",
     "lookup_peaks",
     "memory_of",
+    "precision_slug",
+    "provenance",
+    "result_stem",
     "run_variants",
     "time_fn",
     "write_results",
 ]
-
-_GPU_DEFAULT_PRECISION = "default (TF32 for f32 dots/convs on NVIDIA GPUs)"
-_CUDA_PLUGIN_DISTS = ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Environment
-# ---------------------------------------------------------------------------------------------------------------
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _cuda_plugin_versions() -> dict[str, str]:
-    """Installed CUDA plugin distributions (``jax-cuda13-plugin`` and friends) and their versions."""
-    found = {name: v for name in _CUDA_PLUGIN_DISTS if (v := _dist_version(name)) is not None}
-    if not found:  # an unpackaged build: fall back on the module's own version attribute
-        try:
-            import jax_cuda13_plugin  # type: ignore[import-not-found]
-
-            found["jax_cuda13_plugin"] = str(getattr(jax_cuda13_plugin, "__version__", "unknown"))
-        except ImportError:
-            pass
-    return found
-
-
-def _matmul_precision_label(platform_name: str) -> str:
-    value = jax.config.jax_default_matmul_precision
-    if value is None:
-        return _GPU_DEFAULT_PRECISION if platform_name == "gpu" else "default"
-    return str(value)
-
-
-def provenance() -> dict[str, Any]:
-    """The commit measured, whether the tree had uncommitted changes, and the command line.
-
-    From ``JAXGRAD_COMMIT`` / ``JAXGRAD_DIRTY`` when the launcher sets them (a GPU machine gets a copy of the tree
-    whose ``.git``, if any, is not the launcher's), else from ``git``."""
-    commit, dirty = os.environ.get("JAXGRAD_COMMIT"), os.environ.get("JAXGRAD_DIRTY")
-    root = pathlib.Path(__file__).resolve().parents[2]
-    try:
-        if commit:  # the launcher knows better than a copied tree's (possibly stale) .git
-            raise OSError
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, check=True, timeout=10).stdout
-        dirty = "yes" if status.strip() else "no"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"commit": commit or "unknown", "dirty": dirty or "unknown",
-            "command": " ".join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else ""}
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers were measured on: device, software versions, matmul precision, host, UTC time, and the
-    commit and command line (:func:`provenance`)."""
-    dev = jax.devices()[0]
-    env: dict[str, Any] = {
-        "device_kind": dev.device_kind,
-        "device": str(dev),
-        "platform": dev.platform,
-        "device_count": jax.device_count(),
-        "jax": jax.__version__,
-        "jaxlib": _dist_version("jaxlib") or getattr(jax.lib, "__version__", None),
-        "cuda_plugin": _cuda_plugin_versions() or None,
-        "python": sys.version.split()[0],
-        "datetime_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "matmul_precision": _matmul_precision_label(dev.platform),
-        "hostname": socket.gethostname(),
-        "machine": platform.machine(),
-        **provenance(),
-    }
-    try:  # which Pallas backend the kernels compile to (interpret mode off-GPU)
-        from jaxgrad import pallas_backend
-
-        env["pallas"] = pallas_backend.describe()
-    except Exception:  # noqa: BLE001 - the harness must not depend on the kernel shim importing
-        env["pallas"] = None
-    return env
-
-
-def device_slug(device_kind: str | None = None) -> str:
-    """File-name-safe device name: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
-    kind = jax.devices()[0].device_kind if device_kind is None else device_kind
-    return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
-
-
-def dtype_name(x: Any) -> str:
-    """Short dtype name (``f32``, ``bf16``, ...) of a dtype, an array, or the first array leaf of a pytree."""
-    if isinstance(x, str):
-        dt = jnp.dtype(_DTYPE_ALIASES.get(x, x))
-    elif isinstance(x, (np.dtype, type)):
-        dt = jnp.dtype(x)
-    elif hasattr(x, "dtype"):
-        dt = jnp.dtype(x.dtype)
-    else:
-        leaves = [leaf for leaf in jax.tree_util.tree_leaves(x) if hasattr(leaf, "dtype")]
-        if not leaves:
-            return "none"
-        dt = jnp.dtype(leaves[0].dtype)
-    return _SHORT_DTYPE.get(dt.name, dt.name)
-
-
-_SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
-_DTYPE_ALIASES = {v: k for k, v in _SHORT_DTYPE.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,104 +166,6 @@ def memory_of(fn: Callable[..., Any], *args: Any) -> dict[str, int | None]:
     mem["device_peak_bytes"] = device_peak_bytes()
     return mem
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Roofline floors
-# ---------------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class DevicePeaks:
-    """Data-sheet peaks of one device (dense, no sparsity). Bandwidth in B/s, compute in FLOP/s."""
-
-    name: str
-    hbm_bytes_per_s: float
-    tf32_flops: float
-    bf16_flops: float
-    fp32_flops: float
-
-
-PEAKS: dict[str, DevicePeaks] = {
-    "H100 SXM": DevicePeaks("H100 SXM", hbm_bytes_per_s=3.35e12, tf32_flops=494.7e12, bf16_flops=989e12,
-                            fp32_flops=66.9e12),
-    "H200": DevicePeaks("H200", hbm_bytes_per_s=4.8e12, tf32_flops=494.7e12, bf16_flops=989e12,
-                        fp32_flops=66.9e12),
-}
-
-
-def lookup_peaks(device_kind: str | None = None) -> DevicePeaks | None:
-    """The :data:`PEAKS` row for a ``device_kind`` (default: the first JAX device), ``None`` if not tabulated.
-
-    H100 PCIe/NVL parts have different peaks and are deliberately not matched to the SXM row.
-    """
-    kind = (jax.devices()[0].device_kind if device_kind is None else device_kind).upper()
-    if "H200" in kind:
-        return PEAKS["H200"]
-    if "H100" in kind and "PCIE" not in kind and "NVL" not in kind:
-        return PEAKS["H100 SXM"]
-    return None
-
-
-_TENSOR_PRECISIONS = ("tf32", "default")
-_FP32_PRECISIONS = ("highest", "fp32", "float32")
-
-
-def _compute_peak(peaks: DevicePeaks, dtype: str, precision: str) -> float | None:
-    """Peak FLOP/s of the unit that executes ``flops`` of ``dtype`` at ``precision`` (see module docstring)."""
-    prec = precision.lower()
-    if prec not in (*_TENSOR_PRECISIONS, *_FP32_PRECISIONS, "elementwise"):
-        raise ValueError(f"floor_ms: unknown precision {precision!r}")
-    if prec == "elementwise":
-        return peaks.fp32_flops
-    if dtype in ("bf16", "f16"):  # tensor cores whatever the precision flag (it only affects f32 operands)
-        return peaks.bf16_flops
-    if dtype == "f32":
-        # "highest"/"fp32": true f32 matmuls on the FP32 units
-        return peaks.tf32_flops if prec in _TENSOR_PRECISIONS else peaks.fp32_flops
-    return None  # f64 etc.: not tabulated
-
-
-def floor_ms(
-    flops: float | None = None,
-    bytes_moved: float | None = None,
-    device_kind: str | None = None,
-    dtype: Any = "f32",
-    precision: str = "tf32",
-) -> dict[str, Any]:
-    r"""Roofline lower bound on run time, in milliseconds.
-
-    :math:`t_c = \text{flops} / P`, :math:`t_m = \text{bytes\_moved} / B_\text{HBM}`, :math:`t = \max(t_c, t_m)`
-    with :math:`P` the compute peak chosen by ``dtype`` and ``precision`` (``"tf32"``/``"default"``,
-    ``"highest"``/``"fp32"``, or ``"elementwise"``) and :math:`B_\text{HBM}` the HBM bandwidth of the
-    :data:`PEAKS` row matching ``device_kind`` (default: the first JAX device).
-
-    Returns:
-      ``compute_ms``, ``memory_ms``, ``floor_ms`` (max of those present; ``None`` off the table, e.g. on CPU),
-      ``bound`` (``"compute"``/``"memory"``/``None``), ``table_row`` (the :data:`PEAKS` key used or ``None``),
-      ``peak_flops_per_s`` and ``peak_bytes_per_s``.
-    """
-    peaks = lookup_peaks(device_kind)
-    result: dict[str, Any] = {
-        "compute_ms": None,
-        "memory_ms": None,
-        "floor_ms": None,
-        "bound": None,
-        "table_row": None if peaks is None else peaks.name,
-        "peak_flops_per_s": None,
-        "peak_bytes_per_s": None,
-    }
-    if peaks is None:
-        return result
-    peak_flops = _compute_peak(peaks, dtype_name(dtype), precision)
-    result["peak_flops_per_s"] = peak_flops
-    result["peak_bytes_per_s"] = peaks.hbm_bytes_per_s
-    if flops is not None and peak_flops is not None:
-        result["compute_ms"] = float(flops) / peak_flops * 1e3
-    if bytes_moved is not None:
-        result["memory_ms"] = float(bytes_moved) / peaks.hbm_bytes_per_s * 1e3
-    bounds = {k: result[f"{k}_ms"] for k in ("compute", "memory") if result[f"{k}_ms"] is not None}
-    if bounds:
-        result["bound"] = max(bounds, key=bounds.__getitem__)
-        result["floor_ms"] = bounds[result["bound"]]
-    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -571,20 +363,26 @@ def write_results(
     name: str,
     out_dir: str | pathlib.Path = DEFAULT_RESULTS_DIR,
     env: Mapping[str, Any] | None = None,
+    precision: str | None = None,
 ) -> pathlib.Path:
-    """Write ``<out_dir>/<name>-<device-slug>-<YYYYmmdd-HHMMSS>.json`` and a sibling ``.txt`` table.
+    """Write ``<out_dir>/<name>-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.json`` (UTC) and a sibling ``.txt`` table.
 
-    ``out_dir`` defaults to :data:`DEFAULT_RESULTS_DIR` (``runs/bench``, git-ignored); the committed results the
-    README's tables come from are ``benchmarks/results``, written only when passed explicitly.
+    ``precision`` names the run in the file name (:func:`jaxgrad.bench.environment.precision_slug`; default: from
+    the rows' matmul precision and dtypes). ``out_dir`` defaults to :data:`DEFAULT_RESULTS_DIR` (``runs/bench``,
+    git-ignored); the committed results the README's tables come from are ``benchmarks/results``, written only
+    when passed explicitly.
 
     The JSON holds ``{"environment": ..., "rows": [...]}``; the ``.txt`` is :func:`format_table`. The directory is
     created if needed, and an existing file of the same name is never overwritten. Returns the JSON path.
     """
     env = environment() if env is None else dict(env)
+    if precision is None:
+        flags = {r.precision for r in rows}
+        precision = precision_slug("highest" if flags == {"highest"} else None, (r.dtype for r in rows),
+                                   env.get("platform"))
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    stem = f"{name}-{device_slug(env.get('device_kind'))}-{stamp}"
+    stem = result_stem(name, env, precision)
     path, k = out / f"{stem}.json", 1
     while path.exists() or path.with_suffix(".txt").exists():
         path, k = out / f"{stem}-{k}.json", k + 1

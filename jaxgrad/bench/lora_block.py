@@ -1,7 +1,7 @@
 r"""The ``lora`` benchmark suite (issue #12 item 5): one Llama decoder block with LoRA on all 7 projections, forward
 and backward (the LoRA gradients and ``dx``), bf16, each variant **in a fresh process**.
 
-    python scripts/bench.py lora [--sizes small|full|long] [--repeats N] [--warmup N] [--variants SUBSTR,...]
+    python -m jaxgrad.bench lora [--sizes small|full|long] [--repeats N] [--warmup N] [--variants SUBSTR,...]
 
 Variants (``VARIANTS``; on a machine without a GPU the cuDNN attention is replaced by
 ``jax.nn.dot_product_attention(implementation="xla")``, the same code path, and the variant is named so):
@@ -63,10 +63,9 @@ from typing import Any
 import numpy as np
 
 from jaxgrad.bench import harness as bm
-from jaxgrad.bench.fresh_process import (ROW_TAG, child_main, compile_and_time, is_skipped,  # noqa: F401
-                                        parent_setup, run_fresh_suite, sdpa_llama_config, select_variants,
-                                        time_torch, torch_missing)
+from jaxgrad.bench.fresh_process import child_main, compile_and_time, run_fresh_suite, select_variants
 from jaxgrad.bench.fresh_process import run_in_fresh_process as _run_in_fresh_process
+from jaxgrad.bench.peers import sdpa_llama_config, time_torch, torch_missing
 
 SIZES = {
     "full": dict(batch=4, seq=2048, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632, r=16),
@@ -94,15 +93,16 @@ JAX_VARIANTS = {
     # NF4 base weights on the mosaic backend: dequantised by XLA, then the same kernels
     "custom_vjp cudnn nf4 mosaic": ("mosaic", "cudnn", True),
     "custom_vjp+low-memory cudnn mosaic": ("mosaic", "cudnn", False),
-    # the session-12 Mosaic GPU kernels without their rank-r side outputs (dA / dB recompute U and G on XLA)
+    # the Mosaic GPU kernels without their rank-r side outputs (dA / dB recompute U and G on XLA)
     "custom_vjp cudnn mosaic-no-rank": ("mosaic", "cudnn", False),
-    # the Mosaic GPU dX kernel writing dX in fp32 (BlockKernels.mosaic_dx_f32; session 13's form, bf16 since 14)
+    # the Mosaic GPU dX kernel writing dX in fp32 (BlockKernels.mosaic_dx_f32; the default writes bf16)
     "custom_vjp cudnn mosaic-f32-dx": ("mosaic", "cudnn", False),
     # the Mosaic GPU kernels leaving one K step's wgmma in flight (TileConfig.wgmma_in_flight = 1)
     "custom_vjp cudnn mosaic-in-flight": ("mosaic", "cudnn", False),
     # K, V repeated to the q heads for cuDNN's MHA kernels (BlockKernels.cudnn_repeat_kv; the default is GQA)
     "custom_vjp cudnn mosaic-kv-repeat": ("mosaic", "cudnn", False),
-    # the Mosaic GPU kernels computing U / G in their K loop (TileConfig.rank_from_xla off; session 12-13's form)
+    # the Mosaic GPU kernels computing U / G in their K loop (TileConfig.rank_from_xla off; the default takes them
+    # from XLA)
     "custom_vjp cudnn mosaic-rank-in-kernel": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
@@ -247,7 +247,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     lora: dict[str, Any] = {"self_attn": {}, "mlp": {}}
     for p in PROJ:
         if nf4:
-            from jaxgrad.lora.nf4 import nf4_quantize
+            from jaxgrad.ops.nf4 import nf4_quantize
 
             w = jax.device_put(nf4_quantize(host[f"w/{p}"].astype(ml_dtypes.bfloat16), blocksize=64))
         else:
@@ -428,7 +428,7 @@ def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3
 
 def _child_main(argv: list[str]) -> int:
     return child_main(argv, sizes=SIZES, run_torch={TORCH_VARIANT: run_torch_variant}, run_jax=run_jax_variant,
-                      description="one lora benchmark variant (used by scripts/bench.py lora)")
+                      description="one lora benchmark variant (python -m jaxgrad.bench lora)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@ r"""The ``lora_model`` benchmark suite (issue #13 item 4): **one whole training 
 LoRA, tokens/s and peak memory, our JAX step against transformers + PEFT; each variant in a fresh process (the
 machinery of :mod:`jaxgrad.bench.lora_block`).
 
-    python scripts/bench.py lora_model [--sizes small|full] [--repeats N] [--warmup N] [--variants SUBSTR,...]
+    python -m jaxgrad.bench lora_model [--sizes small|full] [--repeats N] [--warmup N] [--variants SUBSTR,...]
                                        [--budget-s S]
 
 The step: embedding, ``layers`` decoder blocks, final RMSNorm, untied LM head (bf16 logits, as HF's
@@ -34,7 +34,7 @@ in each row's notes agree across variants up to bf16 rounding: a check that the 
 
 Timing (per variant, in its own process): JAX: the compiled step timed by :func:`jaxgrad.bench.harness.time_fn`
 (median of ``repeats`` calls after ``warmup``), each call from the same initial state (no donation: the adapters and
-their Adam moments, ~29 MiB at ``full``, exist twice); torch: :func:`jaxgrad.bench.fresh_process.time_torch` (the
+their Adam moments, ~29 MiB at ``full``, exist twice); torch: :func:`jaxgrad.bench.peers.time_torch` (the
 training runs on: every call is one more step). **tokens/s** = ``batch * seq / median step time``. Peak memory: the device's
 high-water mark since the process started, weights included (JAX ``peak_bytes_in_use``, torch
 ``max_memory_allocated``).
@@ -70,6 +70,7 @@ import numpy as np
 from jaxgrad.bench import harness as bm
 from jaxgrad.bench import lora_block as bench
 from jaxgrad.bench import fresh_process as harness
+from jaxgrad.bench import peers
 
 SUITE = "lora_model"
 SIZES = {
@@ -283,14 +284,14 @@ def _hf_config(transformers, s: dict):
               head_dim=s["head_dim"], rms_norm_eps=RMS_EPS, max_position_embeddings=s["seq"],
               tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu",
               attention_dropout=0.0, use_cache=False)
-    return harness.sdpa_llama_config(transformers, ROPE_THETA, **kw)
+    return peers.sdpa_llama_config(transformers, ROPE_THETA, **kw)
 
 
 def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str = "default") -> bm.Row:
     """transformers ``LlamaForCausalLM`` + ``peft.get_peft_model`` + fused AdamW, bf16 base, SDPA (CUDA only)."""
     s = SIZES[sizes]
     row = _row(TORCH_VARIANT, s, precision)
-    why = harness.torch_missing()
+    why = peers.torch_missing()
     if why:
         row.notes = why
         return row
@@ -361,7 +362,7 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
         if len(losses) < 3:
             losses.append(out.loss.detach())
 
-    harness.time_torch(step, row, warmup=max(warmup, 2), repeats=repeats)  # the first 3 calls give the 3 losses
+    peers.time_torch(step, row, warmup=max(warmup, 2), repeats=repeats)  # the first 3 calls give the 3 losses
     extra = [f"fresh process; torch {torch.__version__}, transformers {transformers.__version__}, peft "
              f"{peft.__version__}, attn sdpa, adapters fp32, AdamW {fused}, first call {row.compile_ms:.0f} ms"]
     return _finish(row, s, [float(v) for v in losses], extra, device_kind=torch.cuda.get_device_name())
@@ -384,7 +385,7 @@ def suite_lora_model(sizes: str, precision: str, *, repeats: int = 20, warmup: i
         say(f"# {line}")
     rows = harness.run_fresh_suite(names, sizes, precision, repeats=repeats, warmup=warmup, timeout=timeout,
                                    budget_s=budget_s, say=say, module=MODULE, suite=SUITE, size_table=SIZES,
-                                   skip_reason=lambda n: harness.torch_missing() if n == TORCH_VARIANT else None)
+                                   skip_reason=lambda n: peers.torch_missing() if n == TORCH_VARIANT else None)
     for r in rows:
         if r.median_ms is not None:
             notes.append(f"{r.variant}: {tokens_per_s(SIZES[sizes], r.median_ms):,.0f} tokens/s "
@@ -396,4 +397,4 @@ def suite_lora_model(sizes: str, precision: str, *, repeats: int = 20, warmup: i
 if __name__ == "__main__":
     sys.exit(harness.child_main(sys.argv[1:], sizes=SIZES, run_torch={TORCH_VARIANT: run_torch_variant},
                                 run_jax=run_jax_variant,
-                                description="one lora_model benchmark variant (used by scripts/bench.py lora_model)"))
+                                description="one lora_model benchmark variant (python -m jaxgrad.bench lora_model)"))

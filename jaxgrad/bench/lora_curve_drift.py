@@ -1,4 +1,5 @@
-"""How far two f32 training runs that differ only by rounding drift apart over 100 steps (issue #12, item 6).
+"""The ``lora_curve_drift`` tool: how far two f32 training runs that differ only by rounding drift apart over 100
+steps (issue #12, item 6).
 
 The issue asks that the custom-VJP and `jax.grad` paths give the same f32 loss curve to 1e-5 relative per step over
 100 steps. This script measures that drift next to the drift of the *reference path against itself* when its
@@ -7,10 +8,11 @@ self-drift is as large as the paths' drift, the 1e-5 criterion sits below the tr
 f32 and cannot tell a correct backward from a wrong one; the paths' agreement is then shown by float64 (see
 tests/test_train_lora.py) and per step by the verifier.
 
-    python scripts/lora_curve_drift.py [--steps 100] [--out runs/bench]
+    python -m jaxgrad.bench lora_curve_drift [--steps 100] [--out runs/bench]
 
-The JSON goes to ``runs/bench/`` under the current directory by default (git-ignored in a checkout, so a run never
-changes the repository); ``--out benchmarks/results`` adds it to the committed results.
+The JSON, ``lora-curve-drift-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.json`` (UTC; ``default`` on a CPU, ``tf32`` on
+an NVIDIA GPU), goes to ``runs/bench/`` under the current directory by default (git-ignored in a checkout, so a run
+never changes the repository); ``--out benchmarks/results`` adds it to the committed results.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def _nudge_a(params):
     return jax.tree_util.tree_map_with_path(f, params)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxgrad.bench lora_curve_drift",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", default=bm.DEFAULT_RESULTS_DIR,
                     help="results directory (default: %(default)s, git-ignored; --out benchmarks/results to commit)")
@@ -74,11 +77,13 @@ def main(argv=None):
         d = out[k]
         print(f"{k:28s} max relative loss difference: first 20 steps {d['at_step_20']:.1e}, first 50 "
               f"{d['at_step_50']:.1e}, all {args.steps} {d['max']:.1e}")
-    p = pathlib.Path(args.out) / f"lora-curve-drift-{env['platform']}-{time.strftime('%Y%m%d')}.json"
+    stem = bm.result_stem("lora-curve-drift", env, bm.precision_slug(None, (), env["platform"]))
+    p = pathlib.Path(args.out) / f"{stem}.json"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(bm._jsonable(out), indent=1) + "\n")
     print(f"wrote {p}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

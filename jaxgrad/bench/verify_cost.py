@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """What one ``check_vjp`` of a small bf16 Llama LoRA block costs: wall time, per stage, and XLA compilations.
 
-    python scripts/verify_cost.py --backend xla --repeats 3
-    JAX_PLATFORMS=cuda python scripts/verify_cost.py --backend mosaic --repeats 3     # on a GPU
+    python -m jaxgrad.bench verify_cost --backend xla --repeats 3
+    JAX_PLATFORMS=cuda python -m jaxgrad.bench verify_cost --backend mosaic --repeats 3     # on a GPU
 
 The block (issue #26's yardstick): hidden 64, intermediate 96, 4 query heads on 2 kv heads (GQA, head dim 16),
 batch 2, seq 24, LoRA r 8 on all 7 projections (random non-zero A and B), bf16 throughout; every gradient and output
@@ -14,7 +13,8 @@ one ``check_vjp(fn, ref, x, lora, norms)`` and counts the XLA compilations it tr
 event). Prints a header (device, versions, commit, dirty flag, command line), one line per repeat (wall seconds,
 compilations and the seconds they took, the verdict), each repeat's per-stage seconds (``VJPReport.timings``) and
 the minimum over the repeats of every number (the machine is shared: the minimum is the least disturbed).
-``--json PATH`` also writes them.
+``--out DIR`` also writes them to ``DIR/verify-cost-<backend>-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.json``
+(UTC; precision ``tf32`` on an NVIDIA GPU, ``default`` elsewhere), ``--json PATH`` to that file.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -99,8 +100,15 @@ def _child(a) -> int:
     return 0
 
 
+def _pythonpath() -> str:
+    """The caller's ``PYTHONPATH`` with this checkout in front: the child imports the same ``jaxgrad``."""
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxgrad.bench verify_cost",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=("xla", "pallas", "mosaic"), default="xla",
                     help="the block's backend (fn); the reference is the plain XLA block either way")
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes, one check_vjp each")
@@ -108,7 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--second-call", action="store_true", help="also time a second check_vjp in the same process")
     ap.add_argument("--print-report", action="store_true", help="print each repeat's report")
-    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--out", default=None, help="also write the results into this folder (named as the module says)")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.repeats < 1:
@@ -124,7 +133,7 @@ def main(argv=None) -> int:
     print(f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: {env['command']}")
     print(f"# block: hidden 64, seq 24, GQA 4/2 heads, r 8 on 7 projections, {a.dtype}, backend {a.backend}; "
           f"check_vjp defaults, seed {a.seed}", flush=True)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--backend", a.backend, "--seed", str(a.seed),
+    cmd = [sys.executable, "-m", "jaxgrad.bench.verify_cost", "--child", "--backend", a.backend, "--seed", str(a.seed),
            "--dtype", a.dtype] + (["--second-call"] if a.second_call else []) + \
         (["--print-report"] if a.print_report else [])
     runs = []
@@ -133,8 +142,9 @@ def main(argv=None) -> int:
             load = os.getloadavg()[0]
         except OSError:
             load = float("nan")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAXGRAD_COMMIT":
-                                                                         env["commit"], "JAXGRAD_DIRTY": env["dirty"]})
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": _pythonpath(),
+                                                                         "JAXGRAD_COMMIT": env["commit"],
+                                                                         "JAXGRAD_DIRTY": env["dirty"]})
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]
         if proc.returncode != 0 or not lines:
             sys.stdout.write(proc.stdout)
@@ -163,8 +173,15 @@ def main(argv=None) -> int:
     if best_stages:
         print("  stages (s, each the min over the repeats): "
               + ", ".join(f"{k} {v:.2f}" for k, v in best_stages.items()))
-    if a.json:
-        with open(a.json, "w") as f:
+    paths = [a.json] if a.json else []
+    if a.out:
+        from jaxgrad.bench.harness import precision_slug, result_stem
+
+        pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+        stem = result_stem(f"verify-cost-{a.backend}", env, precision_slug(None, (), env["platform"]))
+        paths.append(str(pathlib.Path(a.out) / f"{stem}.json"))
+    for path in paths:
+        with open(path, "w") as f:
             json.dump({"environment": env, "args": vars(a), "runs": runs, "min": best, "min_stages": best_stages}, f,
                       indent=1, default=str)
     return 0

@@ -1,17 +1,17 @@
-"""scripts/lora_profile.py's parsing (no GPU): the HLO reader and op categories on a hand-written GPU-style module,
-the GPU trace's stream lines on a synthetic trace, and the whole script on the CPU with the small block."""
+"""The ``lora_profile`` tool (no GPU): the HLO reader and op categories (:mod:`jaxgrad.bench.hlo_profile`) on a
+hand-written GPU-style module, the GPU trace's stream lines on a synthetic trace, and the whole tool on the CPU with
+the small block (:mod:`jaxgrad.bench.lora_profile`)."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
-import lora_profile as lp  # noqa: E402
+from jaxgrad.bench import hlo_profile as hp
+from jaxgrad.bench import lora_profile as lp
 
 # A GPU-style optimised module: a cuBLAS gemm (f32 operands, tuple output with workspace), a cuDNN attention
 # forward, an RMSNorm-like fusion with a source, a convert fusion attributed only to the block's call site.
@@ -73,43 +73,43 @@ ENTRY %main.1 (x.1: bf16[8192,2048], w.1: bf16[2048,2048], dy.1: f32[8192,2048],
 
 
 def test_parse_hlo_and_describe():
-    mod = lp.parse_hlo(HLO)
+    mod = hp.parse_hlo(HLO)
     assert mod.name == "jit_fwd_bwd"
     assert [f for f, _, _ in mod.frame_chain(3)] == ["/x/jaxgrad/ops/rmsnorm.py"]
 
-    gemm = lp.describe(mod, "custom-call.5")
+    gemm = hp.describe(mod, "custom-call.5")
     assert gemm.kind == "gemm" and gemm.category == "cuBLAS gemm base f32/tf32"
     assert gemm.flops == 2.0 * 8192 * 2048 * 2048
     assert gemm.bytes == 4 * (8192 * 2048 + 2048 * 2048) + 4 * 8192 * 2048  # workspace not counted
     assert gemm.phase == "bwd" and gemm.bound == "flops"
-    assert gemm.floor_s == pytest.approx(gemm.flops / lp.MATMUL_FLOPS)
+    assert gemm.floor_s == pytest.approx(gemm.flops / hp.MATMUL_FLOPS)
 
     # a Mosaic GPU LoRA kernel (jaxgrad.ops.lora_linear_mgpu), here the dX one: dY W + (s dY B) A with sG out
-    mos = lp.describe(mod, "custom-call.9")
+    mos = hp.describe(mod, "custom-call.9")
     assert mos.kind == "gemm" and mos.category == "Mosaic GPU gemm+lora bf16"
     assert mos.flops == 2.0 * 8192 * 2048 * (2048 + 16) + 2.0 * 8192 * 16 * 2048
     assert mos.detail == "8192x2048x2048 r16 bf16->f32"
     # the same kernel reading sG computed by XLA (TileConfig.rank_from_xla, the default): no r-wide product inside
-    mos = lp.describe(mod, "custom-call.10")
+    mos = hp.describe(mod, "custom-call.10")
     assert mos.flops == 2.0 * 8192 * 2048 * 2048 + 2.0 * 8192 * 16 * 2048
     assert mos.detail == "8192x2048x2048 r16 in bf16->bf16"
 
-    att = lp.describe(mod, "custom-call.7")
+    att = hp.describe(mod, "custom-call.7")
     assert att.category == "cuDNN attention fwd"
     assert att.flops == 4.0 * 4 * 16 * (2048 * 2049 / 2) * 128
     assert att.detail == "B=4 Hq=16 T=2048 S=2048 d=128 causal"
 
-    norm = lp.describe(mod, "input_rsqrt_fusion")
+    norm = hp.describe(mod, "input_rsqrt_fusion")
     assert norm.kind == "reduction" and norm.category == "rmsnorm reduction"
     assert norm.source == "rmsnorm:rms_norm_rstd" and norm.phase == "fwd"
     assert norm.bytes == 2 * 8192 * 2048 + 4 * 8192 and norm.bound == "bytes"
 
-    conv = lp.describe(mod, "loop_convert_fusion.2")  # only the block's call site: a custom VJP's backward
+    conv = hp.describe(mod, "loop_convert_fusion.2")  # only the block's call site: a custom VJP's backward
     assert conv.kind == "convert" and conv.category == "vjp-bwd convert" and conv.phase == "bwd"
 
     # a kernel name without its hlo_op: XLA names a fusion's kernel after it, '.' -> '_'
     assert mod.lookup("loop_convert_fusion_2").name == "loop_convert_fusion.2"
-    assert lp.describe(mod, "nonexistent").category.startswith("unmapped")
+    assert hp.describe(mod, "nonexistent").category.startswith("unmapped")
 
 
 def _gpu_trace(tmp_path: pathlib.Path) -> pathlib.Path:
@@ -145,8 +145,8 @@ def _gpu_trace(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def test_gpu_trace_events_and_table(tmp_path):
     path = _gpu_trace(tmp_path)
-    assert lp.find_trace(tmp_path) == path
-    rows, which, mod = lp.analyse(path, HLO, steps=2)
+    assert hp.find_trace(tmp_path) == path
+    rows, which, mod = hp.analyse(path, HLO, steps=2)
     assert "Stream #7(Compute)" in which and "XLA Ops" not in which
     by_op = {r.op: r for r in rows}
     assert set(by_op) == {"custom-call.5", "loop_convert_fusion.2", "[MemcpyD2D]"}
@@ -169,7 +169,7 @@ def test_script_on_cpu_small_block(tmp_path):
     out, art = tmp_path / "out", tmp_path / "art"
     assert lp.main(["--variants", "custom_vjp cudnn", "--steps", "2", "--repeats", "2", "--warmup", "1",
                     "--out", str(out), "--artifacts", str(art), "--top", "10"]) == 0
-    (txt,) = out.glob("lora-profile-*.txt")
+    (txt,) = out.glob("lora-profile-cpu-bf16-*.txt")  # <suite>-<device>-<precision>-<date>-<time>
     text = txt.read_text()
     head = text.splitlines()[:4]
     assert head[1].startswith("# device:") and head[2].startswith("# jax ") and "command:" in head[3]

@@ -1,7 +1,8 @@
-"""Time the fused NF4 dequantise + matmul kernels (issue #13) against XLA dequantise + matmul and a plain bf16 matmul,
-at the LoRA block's MLP shapes (the largest of its seven projections), in one process.
+"""The ``nf4_matmul`` tool: the fused NF4 dequantise + matmul kernels against XLA dequantise + matmul and a plain
+bf16 matmul, at the LoRA block's MLP shapes (the largest of its seven projections), in one process; ``--sweep`` times
+the tile configurations :mod:`jaxgrad.ops.nf4_matmul`'s defaults were chosen from.
 
-    PYTHONPATH=$PWD python3 scripts/nf4_matmul_timing.py [--rows 8192] [--sweep] [--budget-s 240] [--out DIR]
+    python -m jaxgrad.bench nf4_matmul [--rows 8192] [--sweep] [--budget-s 240] [--out DIR]
 
 Problems (what the block's ``backend="pallas"`` calls, ``jaxgrad/lora/kernels.py``):
 
@@ -14,7 +15,8 @@ dx dot at JAX's default precision, TF32 on an H100); ``bf16 dot`` (a dense bf16 
 result; for dx, dY cast to bf16 outside the timing): the tensor-core reference; the kernel in its configurations.
 ``old`` reproduces the kernel as of issue #13's measurement (general path, 64x64x64 tiles, 4 warps, 2 stages, f32
 dots at HIGHEST). Each kernel output is compared with the XLA path at HIGHEST (``rel_err`` = max |diff| / max |ref|).
-Floor = 2 rows O K / 989 TFLOP/s (one bf16 pass). Writes ``nf4-matmul-timing-<device>-<time>.txt`` / ``.json`` into
+Floor = 2 rows O K / 989 TFLOP/s (one bf16 pass). Writes ``nf4-matmul-timing-<device>-bf16-<YYYYmmdd>-<HHMMSS>``
+``.txt`` / ``.json`` (UTC) into
 ``--out`` (default ``runs/bench`` under the current directory: git-ignored in a checkout, so a run never changes the
 repository; ``--out benchmarks/results`` adds them to the committed results).
 """
@@ -22,7 +24,6 @@ repository; ``--out benchmarks/results`` adds them to the committed results).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import functools
 import json
 import pathlib
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.bench import harness as bm
-from jaxgrad.lora.nf4 import nf4_absmax, nf4_dequantize, nf4_quantize
+from jaxgrad.ops.nf4 import nf4_absmax, nf4_dequantize, nf4_quantize
 from jaxgrad.ops.nf4_matmul import _dequant_xla, nf4_matmul_dx_pallas, nf4_matmul_fwd_pallas
 
 OLD = dict(path="general", block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2, f32_split=False,
@@ -46,9 +47,11 @@ SWEEP = [(256, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxgrad.bench nf4_matmul",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=8192)
-    p.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configurations, lut=gather and the general path")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the SWEEP tile configurations, lut=gather and the general path")
     p.add_argument("--no-old", action="store_true", help="skip the old (issue #13) kernel")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new variants after this")
     p.add_argument("--out", default=bm.DEFAULT_RESULTS_DIR,
@@ -59,7 +62,7 @@ def main(argv=None) -> int:
     lines = [f"# device: {env['device_kind']} ({env['platform']}), jax {env['jax']}, jaxlib {env['jaxlib']}, "
              f"python {env['python']}, {env['datetime_utc']}",
              f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: "
-             f"{' '.join([pathlib.Path(sys.argv[0]).name, *sys.argv[1:]])}",
+             f"{' '.join(['python -m jaxgrad.bench nf4_matmul', *(sys.argv[1:] if argv is None else argv)])}",
              f"# matmul precision: {env['matmul_precision']}; rows = {args.rows}; floor = 2 rows O K / 989e12 "
              "(one bf16 tensor-core pass); rel_err = max|kernel - ref| / max|ref|, ref = dequantise + dot at HIGHEST",
              f"{'problem':9s}  {'variant':58s}  {'median_ms':>9s}  {'p10_ms':>8s}  {'p90_ms':>8s}  {'floor_ms':>8s}  "
@@ -150,8 +153,7 @@ def main(argv=None) -> int:
                 records.append(rec)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = out_dir / f"nf4-matmul-timing-{bm.device_slug()}-{stamp}"
+    base = out_dir / bm.result_stem("nf4-matmul-timing", env, "bf16")
     base.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     base.with_suffix(".json").write_text(json.dumps(dict(env=env, records=records), indent=1, default=str))
     print(f"wrote {base}.txt / .json")

@@ -1,11 +1,10 @@
-#!/usr/bin/env python
 """How long one detection trial takes, per part (the case's runs vs the statistics), at one op and size.
 
-    JAX_PLATFORMS=cuda python scripts/verify_detection_timing.py --op attention --size 1000000 --trials 3
+    JAX_PLATFORMS=cuda python -m jaxgrad.bench verify_detection_timing --op attention --size 1000000 --trials 3
 
 Prints a header (device, versions, commit, command) and one line per trial: seconds in ``leaf_errors`` (the kernel,
 16 replicas and the float64 oracle) and in ``judge`` (the statistics at every planted scale). It tells whether a
-cell of ``verify_detection_limits.py`` fits a device call before one is spent on it.
+cell of ``verify_detection_limits`` fits a run's time budget before one is spent on it.
 """
 
 from __future__ import annotations
@@ -18,16 +17,15 @@ import time
 import numpy as np
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import verify_detection_limits as vdl  # noqa: E402
-
+from jaxgrad.bench import verify_detection_limits as vdl  # noqa: E402
 from jaxgrad.bench.harness import environment  # noqa: E402
 from jaxgrad.verify.calibration import OPS, leaf_errors, make_case  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxgrad.bench verify_detection_timing",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=OPS, default="attention")
     ap.add_argument("--size", type=int, default=262144)
     ap.add_argument("--precision", default="f16")

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Detection limits of the statistical verdict: the smallest systematic scale error caught in every trial.
 
-    python scripts/verify_detection_limits.py                       # the full CPU table (TF32/f16/bf16 emulated)
-    python scripts/verify_detection_limits.py --quick               # a small table (what CI runs)
-    python scripts/verify_detection_limits.py --ops dense --precisions bf16 --sizes 64 1024 --trials 20
+    python -m jaxgrad.bench verify_detection_limits                      # the full CPU table (TF32/f16/bf16 emulated)
+    python -m jaxgrad.bench verify_detection_limits --quick              # a small table (what CI runs)
+    python -m jaxgrad.bench verify_detection_limits --ops dense --precisions bf16 --sizes 64 1024 --trials 20
 
 For each op (dense, conv+ReLU, softmax attention: ``jaxgrad.verify.calibration``), precision and leaf size, and
 each of ``--trials`` random problems: a correct kernel at that precision is run, its planted leaf's error against
@@ -14,8 +13,8 @@ caught in every trial. Each row also gives the floor the kernel's own rounding p
 same false-alarm rate (``ideal_limit``: the Cramer-Rao spread of the best unbiased scale estimate, known exactly,
 caught in all trials with probability 0.95), so a limit above a target can be told apart from a weak test. The correct kernel (``s = 0``) must pass in every trial: its failures are false alarms.
 
-Writes ``<out>/verify-detection-<device>-<stamp>.{json,txt}`` (header: device, versions, commit, command line)
-unless ``--no-write``; ``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout,
+Writes ``<out>/verify-detection-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.{json,txt}`` (UTC; precision ``emulated``,
+or ``hardware`` with ``--hardware``; header: device, versions, commit, command line) unless ``--no-write``; ``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout,
 so a run never changes the repository; ``--out benchmarks/results`` adds the result to the committed ones).
 """
 
@@ -36,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.bench.harness import DEFAULT_RESULTS_DIR, _jsonable, device_slug, environment
+from jaxgrad.bench.harness import DEFAULT_RESULTS_DIR, _jsonable, environment, result_stem
 from jaxgrad.verify.calibration import OPS, leaf_errors, make_case
-from jaxgrad.verify.stats import FALSE_ALARM_RATE, entry_variance, leaf_null, leaf_statistics, replicas_for
+from jaxgrad.verify.stats import FALSE_ALARM_RATE, leaf_null, leaf_statistics, replicas_for
 
 SCALES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3)
 SIZES = (64, 1024, 16384, 262144, 1_000_000)
@@ -135,7 +134,8 @@ def ideal_limit(sigma: float, trials: int, alpha: float = FALSE_ALARM_RATE / 4) 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxgrad.bench verify_detection_limits",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--ops", nargs="+", default=["dense", "conv_relu", "attention"], choices=OPS)
     ap.add_argument("--precisions", nargs="+", default=["f32", "tf32", "f16", "bf16"])
     ap.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     if not a.no_write:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"verify-detection-{'hardware-' if a.hardware else ''}{device_slug(env['device_kind'])}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem = out / result_stem("verify-detection", env, "hardware" if a.hardware else "emulated")
         stem.with_suffix(".json").write_text(json.dumps(_jsonable({"environment": env, "summary": summary,
                                                                     "rows": rows}), indent=1) + "\n")
         lines = [f"# device: {env['device_kind']} ({env['platform']}), {env['datetime_utc']}; jax {env['jax']}, "

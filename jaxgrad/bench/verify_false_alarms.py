@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """False alarms of ``check_vjp`` on correct low-precision VJPs, randomised.
 
-    python scripts/verify_false_alarms.py --mode cpu --n 500 --jobs 8   # TF32/f16/bf16 kernels emulated on the CPU
-    python scripts/verify_false_alarms.py --mode gpu --n 100            # the GPU's own TF32 / bf16 rounding
-    python scripts/verify_false_alarms.py --mode cpu --n 6 --no-write   # a smoke run (what CI runs)
-    python scripts/verify_false_alarms.py --mode mixed --n 200          # backward coarser than forward (GPU or CPU)
+    python -m jaxgrad.bench verify_false_alarms --mode cpu --n 500 --jobs 8  # TF32/f16/bf16 emulated on the CPU
+    python -m jaxgrad.bench verify_false_alarms --mode gpu --n 100           # the GPU's own TF32 / bf16 rounding
+    python -m jaxgrad.bench verify_false_alarms --mode cpu --n 6 --no-write  # a smoke run (what CI runs)
+    python -m jaxgrad.bench verify_false_alarms --mode mixed --n 200         # backward coarser than forward
 
 Each run draws an op (dense, conv+ReLU, softmax attention, a dense whose weight gradient sums up to 10^6 terms:
 ``jaxgrad.verify.calibration``), a planted-leaf size (64 .. 16384 entries), white-noise inputs, sometimes scaled by
@@ -24,8 +23,9 @@ GPU's own; on a CPU it is emulated). Half the runs plant a scale error in one gr
 the coarser of the two precisions (1% at bf16, 0.2% at TF32 / f16): each must be caught on that gradient
 (``--planted-share`` sets the share).
 
-Writes ``<out>/verify-false-alarms-<mode>-<device>-<stamp>.{json,txt}`` unless ``--no-write``; ``--out`` defaults to
-``runs/bench`` under the current directory (git-ignored in a checkout, so a run never changes the repository;
+Writes ``<out>/verify-false-alarms-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.{json,txt}`` (UTC; precision
+``emulated`` for ``--mode cpu``, ``hardware`` for ``gpu``, ``mixed`` for ``mixed``) unless ``--no-write``;
+``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout, so a run never changes the repository;
 ``--out benchmarks/results`` adds the result to the committed ones).
 """
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import math
 import multiprocessing
 import os
 import pathlib
@@ -49,6 +48,8 @@ OPS = ("dense", "conv_relu", "attention", "long_sum")
 DEFAULT_OUT = "runs/bench"
 
 
+#: the word a sweep's result file is named by, per --mode (the sweeps range over precisions)
+MODE_PRECISION = {"cpu": "emulated", "gpu": "hardware", "mixed": "mixed"}
 PLANTED_TARGET = {"bf16": 0.01, "f16": 0.002, "tf32": 0.002, "f32": 1e-5}
 
 
@@ -116,7 +117,6 @@ def run_one(cfg: dict, mode: str) -> dict:
     fn, stated = case.fn, ("f16" if prec == "f16" else None)
     if mode == "gpu":
         # XLA's own GPU lowering at the default precision: TF32 dots/convs for f32 arrays, bf16 arrays in bf16
-        # (before session 9 this was case.reference itself, whose dots are at HIGHEST: its "tf32" runs were f32)
         fn = case.native
         if prec.startswith("conv2d"):
             from jaxgrad.cnn.conv import conv2d
@@ -144,7 +144,8 @@ def _worker(args):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxgrad.bench verify_false_alarms",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=["cpu", "gpu", "mixed"], default="cpu")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (cpu mode)")
@@ -214,14 +215,14 @@ def main(argv=None) -> int:
         summary.update(planted_runs=len(planted), planted_caught=sum(bool(r.get("caught")) for r in planted))
         print(f"planted errors caught on their gradient: {summary['planted_caught']} of {len(planted)}")
     if not a.no_write:
-        from jaxgrad.bench.harness import _jsonable, device_slug, environment
+        from jaxgrad.bench.harness import _jsonable, environment, result_stem
         from jaxgrad.verify.stats import FALSE_ALARM_RATE
 
         env = environment()
         summary["model_false_alarm_rate_per_leaf"] = FALSE_ALARM_RATE
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"verify-false-alarms-{a.mode}-{device_slug(env['device_kind'])}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem = out / result_stem("verify-false-alarms", env, MODE_PRECISION[a.mode])
         stem.with_suffix(".json").write_text(json.dumps(_jsonable({"environment": env, "summary": summary,
                                                                     "runs": results_all}), indent=1) + "\n")
         by = {}

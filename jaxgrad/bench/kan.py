@@ -1,0 +1,92 @@
+"""The ``kan`` suite: one KAN layer forward + backward, our Pallas kernels and XLA custom VJP against ``jax.grad``
+of the reference and, on a GPU with torch, PyTorch autograd of efficient-kan's ``KANLinear``
+(:func:`jaxgrad.bench.peers.efficient_kan`), timed one after the other in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxgrad.bench import harness as bm
+from jaxgrad.bench import peers
+
+
+KAN_CONFIGS = {
+    "small": [dict(batch=64, features=32, grid_size=5, spline_order=3)],
+    "full": [dict(batch=16384, features=512, grid_size=5, spline_order=3),
+             dict(batch=16384, features=512, grid_size=20, spline_order=3),
+             dict(batch=16384, features=512, grid_size=5, spline_order=5)],
+}
+
+
+def kan_cost(batch: int, features: int, grid_size: int, spline_order: int, itemsize: int) -> tuple[float, float]:
+    """(flops, bytes_moved) of one KAN layer fwd+bwd, in -> out = features.
+
+    FLOPs: three dense products of ``[B, in*(G+k+1)] x [in*(G+k+1), out]`` (forward, dC, dx; the +1 is the SiLU
+    base branch): ``6 B in out (G+k+1)``; 232 GFLOP at B=16384, 512->512, G=5, k=3. Evaluating only the k+1
+    non-zero bases would need gathers the matrix units cannot use, so the dense count is the floor of any
+    tensor-core implementation. Bytes: x, y, dy, dx (4 B in) plus parameters, negligible: compute bound.
+    """
+    nb = grid_size + spline_order + 1
+    flops = 6.0 * batch * features * features * nb
+    bytes_moved = 4.0 * batch * features * itemsize + 3.0 * features * features * nb * itemsize
+    return flops, bytes_moved
+
+
+def _kan_variants(precision_name: str) -> dict[str, Callable]:
+    from jaxgrad.kan.layer import kan_linear, kan_linear_reference
+
+    hp = jax.lax.Precision.HIGHEST if precision_name == "highest" else None
+
+    def fwd_bwd(f):
+        def loss(params, x):
+            return jnp.mean(f(params, x) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))
+
+    def trainable(f):
+        return lambda p, x: f({**p, "grid": jax.lax.stop_gradient(p["grid"])}, x)
+
+    extra = {}
+    if precision_name == "highest":  # f32-accurate on tensor cores: three TF32 products (split hi/lo operands)
+        x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        extra["pallas 3xTF32"] = fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="pallas", precision=x3)))
+    return {
+        **extra,
+        "pallas": fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="pallas", precision=hp))),
+        "xla custom_vjp": fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="xla", precision=hp))),
+        "jax.grad(reference)": fwd_bwd(trainable(lambda p, x: kan_linear_reference(p, x, precision=hp))),
+    }
+
+
+def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
+    """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x)."""
+    from jaxgrad.kan.layer import KANConfig, init
+
+    variants = _kan_variants(precision)
+    rows: list[bm.Row] = []
+    dtypes = (jnp.float32,) if sizes == "small" or precision == "highest" else (jnp.float32, jnp.bfloat16)
+    for cfg in KAN_CONFIGS[sizes]:
+        for dtype in dtypes:
+            if dtype == jnp.bfloat16 and cfg["grid_size"] != 5:
+                continue
+            kc = KANConfig(cfg["features"], cfg["features"], grid_size=cfg["grid_size"],
+                           spline_order=cfg["spline_order"])
+            params = jax.tree.map(lambda a: a.astype(dtype), init(jax.random.key(0), kc))
+            x = jax.random.uniform(jax.random.key(1), (cfg["batch"], cfg["features"]), jnp.float32, -1, 1)
+            flops, bytes_moved = kan_cost(cfg["batch"], cfg["features"], cfg["grid_size"], cfg["spline_order"],
+                                          jnp.dtype(dtype).itemsize)
+            rows += bm.run_variants("kan", variants, (params, x.astype(dtype)), sizes=dict(cfg), flops=flops,
+                                    bytes_moved=bytes_moved, precision=precision,
+                                    floor_precision="highest" if precision == "highest" else "tf32",
+                                    warmup=warmup, repeats=repeats)
+            if sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3:
+                row = peers.efficient_kan(cfg, "bf16" if dtype == jnp.bfloat16 else "f32",
+                                          tf32=precision != "highest", repeats=repeats, warmup=warmup,
+                                          flops=flops, bytes_moved=bytes_moved)
+                if row is not None:
+                    rows.append(row)
+    return rows
