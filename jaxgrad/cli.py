@@ -1,15 +1,18 @@
-"""``jaxgrad`` command line.
+"""The jaxgrad command line.
 
     jaxgrad demo                  # the main job: audit, fit a KAN, train the denoiser, write jaxgrad-demo/index.html
     jaxgrad demo --quick --out DIR [--overwrite]   # tiny sizes (tests), another report folder
-    jaxgrad audit                 # audit every op of the package (check_vjp at 3 sizes + one optimizer step)
-    jaxgrad audit --op swiglu     # only ops whose name contains "swiglu"
+    jaxgrad audit                 # check the custom VJP of every op (the LoRA block included) against jax.grad of
+                                  #   its reference, at 1-3 sizes, on each backend this machine runs (Pallas
+                                  #   interpreted off a GPU; Mosaic GPU and cuDNN on a GPU only, else listed)
+    jaxgrad audit --op swiglu     # only cases whose name contains "swiglu" (e.g. --op "[pallas]": one backend)
+    jaxgrad audit --list          # the cases, their backends and sizes, and whether they run here
     jaxgrad audit --planted       # show the verifier catching the planted-bug catalogue (and passing the correct VJPs)
     jaxgrad audit --json out.json # also write the reports as JSON
     jaxgrad audit -v              # print the full check_vjp table of every size
     jaxgrad train kan configs/kan.toml --out runs/kan [--set train.steps=100] [--resume | --overwrite]
-    jaxgrad train cnn configs/cnn.toml --out runs/cnn
-    jaxgrad bench kan [--sizes small]   # a benchmark suite (scripts/bench.py's options)
+    jaxgrad train cnn configs/cnn.toml --out runs/cnn      (lora: configs/lora.toml)
+    jaxgrad bench SUITE [--sizes small|full] ...           # a benchmark suite; jaxgrad bench --help for its options
 """
 
 from __future__ import annotations
@@ -40,15 +43,42 @@ def _json_path_problem(path: str) -> str | None:
     return None
 
 
+def _audit_list(platform: str) -> int:
+    """``--list``: every case, its backend, the sizes it runs at here (or why it does not run here)."""
+    from jaxgrad.ops.registry import every_audit_case, run_mode, sizes_on
+
+    rows = []
+    for case in every_audit_case():
+        mode, why = run_mode(case, platform)
+        where = f"{mode}, sizes {', '.join(map(str, sizes_on(case, platform)))}" if mode else f"not run: {why}"
+        rows.append((case.name, case.backend, where))
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    print(f"audit cases on this machine ({platform}):")
+    for name, backend, where in rows:
+        print(f"  {name:<{width[0]}}  {backend:<{width[1]}}  {where}")
+    return 0
+
+
 def _audit_ops(args) -> int:
-    from jaxgrad.ops.registry import all_audit_cases
+    import jax
+
+    from jaxgrad.ops.registry import all_audit_cases, every_audit_case, not_run_here, run_mode
     from jaxgrad.verify import audit
 
-    every = all_audit_cases()
-    cases = [c for c in every if not args.op or any(o in c.name for o in args.op)]
-    if not cases:
+    platform = jax.default_backend()
+    if args.list:
+        return _audit_list(platform)
+    def chosen(case):
+        return not args.op or any(o in case.name for o in args.op)
+
+    cases = [c for c in all_audit_cases(platform) if chosen(c)]
+    skipped = [(c, why) for c, why in not_run_here(platform) if chosen(c)]
+    if not cases and not skipped:
         return _audit_error(f"no op matches {', '.join(repr(o) for o in args.op)} (--op matches part of a name; the "
-                            f"ops: {', '.join(c.name for c in every)})")
+                            f"ops: {', '.join(c.name for c in every_audit_case())})")
+    if not cases:
+        return _audit_error("; ".join(f"{c.name} does not run on this machine ({platform}): {why}"
+                                      for c, why in skipped))
     if args.json and (problem := _json_path_problem(args.json)):
         return _audit_error(problem)
     results, summary = [], []
@@ -62,21 +92,31 @@ def _audit_ops(args) -> int:
             for r in rep.reports:
                 print(r)
         print()
-        results.append(rep)
+        mode = run_mode(case, platform)[0]
+        results.append((case, mode, rep))
         worst = max(lf.normalized_err / lf.bound for r in rep.reports for lf in r.leaves)
-        summary.append((case.name, rep.passed, worst, dt))
-    print("summary (worst error as a fraction of its rounding bound; < 1 passes):")
-    for name, ok, worst, dt in summary:
-        print(f"  {'PASS' if ok else 'FAIL'}  {name:<24} worst {worst:8.3f} of bound   ({dt:5.1f} s)")
+        summary.append((case, mode, rep.passed, worst, dt))
+    width = max(len(c.name) for c, *_ in summary + [(c, None) for c, _ in skipped])
+    print(f"summary on {platform} (worst error as a fraction of its rounding bound; < 1 passes):")
+    for case, mode, ok, worst, dt in summary:
+        n = len(case.sizes)
+        print(f"  {'PASS' if ok else 'FAIL'}  {case.name:<{width}}  {mode:<14}  {n} size{'s' if n > 1 else ' '}  "
+              f"worst {worst:8.3f} of bound   ({dt:5.1f} s)")
+    for case, why in skipped:
+        print(f"  ----  {case.name:<{width}}  not run here: {why}")
     if args.json:
-        data = json.dumps([{"name": r.name, "passed": r.passed, "sizes": [str(s) for s in r.sizes],
-                            "reports": [x.to_dict() for x in r.reports]} for r in results], default=str, indent=1)
+        entries = [{"name": r.name, "backend": case.backend, "mode": mode, "passed": r.passed,
+                    "sizes": [str(s) for s in r.sizes], "reports": [x.to_dict() for x in r.reports]}
+                   for case, mode, r in results]
+        entries += [{"name": case.name, "backend": case.backend, "mode": None, "passed": None, "not_run": why}
+                    for case, why in skipped]
+        data = json.dumps(entries, default=str, indent=1)
         try:
             pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(args.json).write_text(data)
         except OSError as err:
             return _audit_error(f"--json {args.json}: cannot be written ({err.strerror})")
-    return 0 if all(ok for _, ok, _, _ in summary) else 1
+    return 0 if all(ok for _, _, ok, _, _ in summary) else 1
 
 
 def _audit_planted(args) -> int:
@@ -116,24 +156,44 @@ def _audit_planted(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every option, --help included, belongs to the benchmark runner
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="jaxgrad", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="the main job in a few minutes: audit the gradients, fit a KAN, train the "
-                                     "denoiser, write a report folder")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (about a minute; for tests)")
+    p = sub.add_parser("demo", help="the main job: audit the custom VJPs at their smallest sizes, fit a KAN with "
+                                     "grid refinement, train the CNN denoiser, write a report folder (index.html)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and two ops of the audit (about a minute; for "
+                                                        "tests)")
     p.add_argument("--out", default="jaxgrad-demo", metavar="DIR", help="report folder (default: jaxgrad-demo)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR (replaces only a previous "
                                                             "demo report's files)")
-    p = sub.add_parser("audit", help="verify the backward pass of jaxgrad's ops (or the planted-bug catalogue)")
-    p.add_argument("--op", action="append", help="only cases whose name contains this (repeatable)")
+    p = sub.add_parser("audit", help="check the custom VJP of every op (the LoRA block included; or the planted-bug "
+                                     "catalogue) against jax.grad of its plain-JAX reference, on each backend this "
+                                     "machine runs",
+                       description="Each case is one op on one backend (xla; pallas: Triton on a GPU, interpret "
+                                   "mode at small sizes elsewhere; mosaic and cudnn: GPU only, listed as not run "
+                                   "elsewhere). At each size: check_vjp (the float64 re-run, the rounding model and "
+                                   "its statistical verdict, finite differences, the adjoint and structural checks); "
+                                   "across the sizes: the error must not grow faster than rounding. Exit status 0 "
+                                   "when every case run passes, 1 when one fails, 2 on a usage error.")
+    p.add_argument("--op", action="append", metavar="NAME",
+                   help="only cases whose name contains NAME, e.g. swiglu or '[pallas]' (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the cases, their backends and sizes here, and run "
+                                                       "nothing")
     p.add_argument("--planted", action="store_true", help="run the planted-bug catalogue instead of the ops")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write the reports to this JSON file")
-    p.add_argument("-v", "--verbose", action="store_true", help="print every check_vjp table")
-    p = sub.add_parser("train", help="train a family with the jaxgrad.train engine from a TOML config")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs, the cotangents and the finite-difference "
+                                                       "directions (default 0)")
+    p.add_argument("--json", metavar="FILE", help="also write the reports to FILE (one entry per case; cases not "
+                                                  "run here with the reason)")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print the full check_vjp report of every "
+                                                                "size")
+    p = sub.add_parser("train", help="train a family (kan, cnn, lora) with the jaxgrad.train engine from a TOML "
+                                     "config")
     p.add_argument("family", choices=_families(), help="model family")
-    p.add_argument("config", nargs="?", help="TOML config file (sections [train], [model], [data])")
+    p.add_argument("config", nargs="?", help="TOML config file (sections [train], [model], [data]; default: the "
+                                             "family's defaults, or the saved run's with --resume)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key, e.g. --set train.lr=1e-3 (repeatable)")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory")
@@ -141,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="start again in a non-empty DIR (replaces only the "
                                                             "run's own files)")
     p.add_argument("--no-progress", action="store_true", help="print lines instead of a progress bar")
-    p = sub.add_parser("bench", help="run a benchmark suite (scripts/bench.py)", add_help=False)
+    p = sub.add_parser("bench", help="run a benchmark suite (jaxgrad bench --help: the suites and their options)",
+                       add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="SUITE [--sizes small|full] [--out DIR] ...")
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -149,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(args.out, quick=args.quick, overwrite=args.overwrite)
     if args.command == "audit":
+        if args.planted and args.list:
+            return _audit_error("--list lists the op cases; --planted runs the catalogue (drop one of them)")
         return _audit_planted(args) if args.planted else _audit_ops(args)
     if args.command == "train":
         from jaxgrad.train.cli_train import run
@@ -167,17 +230,10 @@ def _families() -> list[str]:
 
 
 def _bench(bench_args: list[str]) -> int:
-    """Delegate to ``scripts/bench.py`` (its options, its output format) from a checkout."""
-    import importlib.util
+    """Delegate to the benchmark runner, ``python -m jaxgrad.bench`` (its options, its output format)."""
+    from jaxgrad.bench.__main__ import main as bench_main
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
-    if not path.is_file():
-        print(f"jaxgrad bench: {path} not found (the benchmark suites live in a source checkout)", file=sys.stderr)
-        return 2
-    spec = importlib.util.spec_from_file_location("jaxgrad_bench_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return int(mod.main(bench_args) or 0)
+    return int(bench_main(bench_args) or 0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""`jaxgrad audit`: the command the README shows."""
+"""The ``jaxgrad`` command: ``audit`` (the command the README shows), its help texts, ``train`` and ``bench``."""
 
 import json
+
+import pytest
 
 from jaxgrad.cli import main
 
@@ -39,13 +41,27 @@ def test_audit_json_path_is_checked_before_the_audit_runs(capsys, tmp_path):
     assert json.loads((tmp_path / "new/dir/a.json").read_text())[0]["name"] == "swiglu[xla]"  # folders created
 
 
+@pytest.mark.parametrize("argv, says", [
+    ([], ["jaxgrad audit --list", "Mosaic GPU and cuDNN on a GPU only", "the LoRA block included", "train cnn"]),
+    (["audit"], ["interpret mode", "not run", "--list", "check_vjp", "grow faster than rounding"]),
+    (["demo"], ["--quick", "--out DIR", "--overwrite"]),
+    (["train"], ["{kan,cnn,lora}", "--resume", "the family's defaults"]),
+    (["bench"], ["SUITE", "--sizes"]),
+])
+def test_every_help_text_prints_and_says_what_the_command_does(argv, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(" ".join(s.split()) in text for s in says), text
+    assert "optimizer step" not in text and "every op of the package" not in text  # no claim beyond the checks
+
+
 # ------------------------------------------------------------------------------------------------------------
 # jaxgrad train / bench
 # ------------------------------------------------------------------------------------------------------------
 
 import pathlib  # noqa: E402
-
-import pytest  # noqa: E402
 
 from jaxgrad.kan import task as kan_task  # noqa: E402
 from jaxgrad.train import toml_config  # noqa: E402

@@ -345,7 +345,8 @@ def describe(mod: HloModule, name: str) -> OpInfo:
     dot = None
     if ins.opcode == "custom-call" and ("cublas" in target.lower() or "gemm" in target.lower()):
         lhs, rhs = (arrays(s)[0] if arrays(s) else ("", ()) for s in operand_shapes[:2])
-        lc, rc = _json_list(ins.attrs, "lhs_contracting_dimensions"), _json_list(ins.attrs, "rhs_contracting_dimensions")
+        lc = _json_list(ins.attrs, "lhs_contracting_dimensions")
+        rc = _json_list(ins.attrs, "rhs_contracting_dimensions")
         lb, rb = _json_list(ins.attrs, "lhs_batch_dimensions"), _json_list(ins.attrs, "rhs_batch_dimensions")
         dot = (lhs, rhs, lc or [], rc or [], lb or [], rb or [])
         engine = "cuBLAS"
@@ -369,7 +370,8 @@ def describe(mod: HloModule, name: str) -> OpInfo:
         dtype = "bf16" if {ldt, rdt} <= {"bf16", "f16"} else "f32/tf32" if "f32" in (ldt, rdt) else f"{ldt}x{rdt}"
         info.kind = "gemm"
         info.category = f"{engine} gemm {'lora' if skinny else 'base'} {dtype}"
-        info.detail = f"{'%dx' % b if b > 1 else ''}{m}x{n}x{k} {ldt}.{rdt}->{arrays(ins.shape)[0][0] if arrays(ins.shape) else '?'}"
+        out_dtype = arrays(ins.shape)[0][0] if arrays(ins.shape) else "?"
+        info.detail = f"{'%dx' % b if b > 1 else ''}{m}x{n}x{k} {ldt}.{rdt}->{out_dtype}"
         return info
     if ins.opcode == "custom-call" and "mosaic_gpu" in target.lower():
         # a jaxgrad.ops.lora_linear_mgpu kernel, L R1 + (s L R2) R3: operands L [M, Kc], R1, then R2^T [r, Kc] (U or

@@ -66,6 +66,7 @@ from jaxgrad.bench import harness as bm
 from jaxgrad.bench.fresh_process import child_main, compile_and_time, run_fresh_suite, select_variants
 from jaxgrad.bench.fresh_process import run_in_fresh_process as _run_in_fresh_process
 from jaxgrad.bench.peers import sdpa_llama_config, time_torch, torch_missing
+from jaxgrad.lora.config import PROJECTIONS, LlamaConfig
 
 SIZES = {
     "full": dict(batch=4, seq=2048, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=5632, r=16),
@@ -131,9 +132,9 @@ def mosaic_kernel_options(suffix: str) -> dict:
     return opts
 
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-         "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+#: the 7 projections' HF names, in PEFT order, and the group each sits in (the model's own table)
+PROJ = tuple(name for _, name in PROJECTIONS)
+GROUP = {name: group for group, name in PROJECTIONS}
 
 
 RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "custom_vjp+low-memory cudnn",
@@ -166,10 +167,10 @@ def _jax_spec(name: str) -> tuple[str, str, bool]:
 
 # ------------------------------------------------------------------------------------------------------ the model
 def proj_shapes(s: dict) -> dict[str, tuple[int, int]]:
-    """HF ``[out, in]`` of the 7 projections."""
-    h, i, d, hq, hkv = s["hidden"], s["intermediate"], s["head_dim"], s["heads"], s["kv_heads"]
-    return {"q_proj": (hq * d, h), "k_proj": (hkv * d, h), "v_proj": (hkv * d, h), "o_proj": (h, hq * d),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    """HF ``[out, in]`` of the 7 projections at the suite's sizes (:attr:`LlamaConfig.projection_shapes`)."""
+    cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
+                      num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"])
+    return {name: shape for (_, name), shape in cfg.projection_shapes.items()}
 
 
 def block_flops(batch, seq, hidden, heads, kv_heads, head_dim, intermediate, r, causal: bool = True) -> dict:
@@ -229,7 +230,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     import ml_dtypes
 
     from jaxgrad.lora.block import _block_sdpa, block, block_reference
-    from jaxgrad.lora.config import LlamaConfig, LoraConfig
+    from jaxgrad.lora.config import LoraConfig
 
     s = SIZES[sizes]
     backend, attention, nf4 = _jax_spec(name)
@@ -403,8 +404,8 @@ def floor_lines(sizes: str) -> list[str]:
 
 def run_in_fresh_process(name: str, sizes: str, **kw) -> bm.Row:
     """One variant of this suite in a child process (:func:`jaxgrad.bench.fresh_process.run_in_fresh_process`)."""
-    return _run_in_fresh_process(name, sizes, **{"module": "jaxgrad.bench.lora_block", "suite": "lora", "size_table": SIZES,
-                                                 **kw})
+    return _run_in_fresh_process(name, sizes, **{"module": "jaxgrad.bench.lora_block", "suite": "lora",
+                                                 "size_table": SIZES, **kw})
 
 
 def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants=None,
@@ -421,7 +422,8 @@ def suite_lora(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3
     for line in notes:
         say(f"# {line}")
     rows = run_fresh_suite(names, sizes, precision, repeats=repeats, warmup=warmup, timeout=timeout,
-                           budget_s=budget_s, say=say, module="jaxgrad.bench.lora_block", suite="lora", size_table=SIZES,
+                           budget_s=budget_s, say=say, module="jaxgrad.bench.lora_block", suite="lora",
+                           size_table=SIZES,
                            skip_reason=lambda name: torch_missing() if name == TORCH_VARIANT else None)
     return rows, notes
 

@@ -35,8 +35,8 @@ in each row's notes agree across variants up to bf16 rounding: a check that the 
 Timing (per variant, in its own process): JAX: the compiled step timed by :func:`jaxgrad.bench.harness.time_fn`
 (median of ``repeats`` calls after ``warmup``), each call from the same initial state (no donation: the adapters and
 their Adam moments, ~29 MiB at ``full``, exist twice); torch: :func:`jaxgrad.bench.peers.time_torch` (the
-training runs on: every call is one more step). **tokens/s** = ``batch * seq / median step time``. Peak memory: the device's
-high-water mark since the process started, weights included (JAX ``peak_bytes_in_use``, torch
+training runs on: every call is one more step). **tokens/s** = ``batch * seq / median step time``. Peak memory: the
+device's high-water mark since the process started, weights included (JAX ``peak_bytes_in_use``, torch
 ``max_memory_allocated``).
 
 FLOPs of one step (:func:`step_flops`), ``N = batch * seq`` tokens, ``L`` layers, ``V`` vocab, ``H`` hidden:

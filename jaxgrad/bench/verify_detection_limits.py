@@ -11,11 +11,13 @@ the float64 oracle and K rounding samples of the reference are taken (``leaf_err
 confined to the last 1% of the entries (10 modelled standard deviations each, kink jumps included). "Caught" means
 caught in every trial. Each row also gives the floor the kernel's own rounding puts under *any* scale test at the
 same false-alarm rate (``ideal_limit``: the Cramer-Rao spread of the best unbiased scale estimate, known exactly,
-caught in all trials with probability 0.95), so a limit above a target can be told apart from a weak test. The correct kernel (``s = 0``) must pass in every trial: its failures are false alarms.
+caught in all trials with probability 0.95), so a limit above a target can be told apart from a weak test. The
+correct kernel (``s = 0``) must pass in every trial: its failures are false alarms.
 
 Writes ``<out>/verify-detection-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.{json,txt}`` (UTC; precision ``emulated``,
-or ``hardware`` with ``--hardware``; header: device, versions, commit, command line) unless ``--no-write``; ``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout,
-so a run never changes the repository; ``--out benchmarks/results`` adds the result to the committed ones).
+or ``hardware`` with ``--hardware``; header: device, versions, commit, command line) unless ``--no-write``;
+``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout, so a run never changes
+the repository; ``--out benchmarks/results`` adds the result to the committed ones).
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scales", nargs="+", type=float, default=list(SCALES))
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--replicas", type=int, default=None,
-                    help="K (default: check_vjp's, stats.replicas_for: 32 when every leaf has <= 4096 entries, else 16)")
+                    help="K (default: check_vjp's, stats.replicas_for: 32 when every leaf has <= 4096 entries, "
+                         "else 16)")
     ap.add_argument("--quick", action="store_true", help="sizes 64 and 1024, 4 trials")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=DEFAULT_RESULTS_DIR,
@@ -215,12 +218,14 @@ def main(argv=None) -> int:
         lines = [f"# device: {env['device_kind']} ({env['platform']}), {env['datetime_utc']}; jax {env['jax']}, "
                  f"python {env['python']}",
                  f"# commit {env['commit']} (uncommitted changes: {env['dirty']}); command: {env['command']}",
-                 f"# computed on {'the CPU' if on_cpu else 'the GPU'} (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')}, "
+                 f"# computed on {'the CPU' if on_cpu else 'the GPU'} "
+                 f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')}, "
                  f"{a.jobs} worker processes; "
                  + ("HARDWARE rounding: the correct kernel is the reference at the GPU's default precision, TF32 "
                     "dots/convs for f32 arrays and bf16 arrays in bf16; only the replicas are emulated); "
                     if a.hardware else "emulated products at HIGHEST, so the GPU's own TF32 is not involved); ")
-                 + f"K = {a.replicas or REPLICAS_RULE} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per leaf; 'caught' = "
+                 + f"K = {a.replicas or REPLICAS_RULE} replicas, model false-alarm rate {FALSE_ALARM_RATE:g} per "
+                 "leaf; 'caught' = "
                  f"caught in all {a.trials} trials; precisions other than the platform's are emulated "
                  "(reduce_precision on operands, f32 accumulation)",
                  f"{'op':10s} {'prec':5s} {'entries':>8s} {'kinks':5s} {'limit':>8s} {'confined1%@10sd':>15s} "

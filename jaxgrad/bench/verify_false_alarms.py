@@ -25,8 +25,8 @@ the coarser of the two precisions (1% at bf16, 0.2% at TF32 / f16): each must be
 
 Writes ``<out>/verify-false-alarms-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.{json,txt}`` (UTC; precision
 ``emulated`` for ``--mode cpu``, ``hardware`` for ``gpu``, ``mixed`` for ``mixed``) unless ``--no-write``;
-``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout, so a run never changes the repository;
-``--out benchmarks/results`` adds the result to the committed ones).
+``--out`` defaults to ``runs/bench`` under the current directory (git-ignored in a checkout, so a run never changes
+the repository; ``--out benchmarks/results`` adds the result to the committed ones).
 """
 
 from __future__ import annotations

@@ -397,7 +397,7 @@ def audit_cases():
 
         fn.__name__ = name
         sizes = ((1, 7, 9), (2, 17, 13)) if backend == "xla" else ((1, 7, 9), (2, 13, 10))
-        return OpAudit(name, fn, reference, make_args, sizes, arg_names=("x", "w", "b"))
+        return OpAudit(name, fn, reference, make_args, sizes, arg_names=("x", "w", "b"), backend=backend)
 
     return (
         case("conv2d[xla] 3x5 stride (1,2) dilation 2 relu", (3, 5), 2, 3, stride=(1, 2), dilation=2,

@@ -446,7 +446,7 @@ def audit_cases():
 
     return (
         OpAudit("kan_linear[xla]", fn_for("xla"), reference, make_args, ((7, 5, 3), (33, 9, 4), (129, 17, 6)),
-                arg_names=("params", "x")),
+                arg_names=("params", "x"), backend="xla"),
         OpAudit("kan_linear[pallas]", fn_for("pallas"), reference, make_args, ((7, 5, 3), (33, 9, 4)),
-                arg_names=("params", "x")),
+                arg_names=("params", "x"), backend="pallas"),
     )

@@ -80,14 +80,11 @@ from jax.experimental import pallas as pl
 
 from jaxgrad import pallas_backend as pb
 from jaxgrad.ops.attention import _check, attention_reference
+from jaxgrad.ops.dtypes import compute_dtype
 
 __all__ = ["flash_attention", "flash_attention_fwd", "flash_attention_bwd", "attention_reference"]
 
 DEFAULT_BLOCK = 64  # upper bound of block_q / block_k when not given (clipped to the sequence)
-
-
-def _cdt(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _blocks(t, d, block_q, block_k):
@@ -119,7 +116,7 @@ def _q_block(q_ref, seq: int, head_dim: int):
     i = pl.program_id(2)
     rows, row_in = _row_mask(i * bq, bq, seq)
     dmask = (jnp.arange(bd, dtype=jnp.int32) < head_dim)[None, :]
-    return _cdt(q_ref.dtype), i, rows, row_in, dmask, pb.masked_load(q_ref, row_in[:, None] & dmask)
+    return compute_dtype(q_ref.dtype), i, rows, row_in, dmask, pb.masked_load(q_ref, row_in[:, None] & dmask)
 
 
 def _div(a, b: int):
@@ -188,7 +185,7 @@ def flash_attention_fwd(q, k, v, attention_mask=None, scale=None, *, interpret=N
     tk = pl.cdiv(t, bk) * bk  # the whole-sequence k/v block, padded to a multiple of bk (masked)
     call = pb.pallas_call(
         functools.partial(_fwd_kernel, seq=t, head_dim=d, scale=scale, block_k=bk),
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hkv, g, t), _cdt(q.dtype))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hkv, g, t), compute_dtype(q.dtype))],
         grid=(b, hq, pl.cdiv(t, bq)),
         in_specs=[
             pl.BlockSpec((None, bq, None, bd), lambda bi, h, i: (bi, i, h, 0)),  # q: this head's block I
@@ -259,7 +256,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, dd_ref, do_ref, dk_ref,
     """One (batch, kv head, kv block J): dK_J = c sum_g sum_{I >= J} dS^T Q, dV_J = sum_g sum_{I >= J} P^T dO."""
     bk, bd = k_ref.shape
     bq = block_q
-    cdt = _cdt(q_ref.dtype)
+    cdt = compute_dtype(q_ref.dtype)
     j = pl.program_id(2)
     cols, col_in = _row_mask(j * bk, bk, seq)
     dmask = (jnp.arange(bd, dtype=jnp.int32) < head_dim)[None, :]
@@ -305,7 +302,7 @@ def flash_attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, *, in
     bq, bk, bd = _blocks(t, d, block_q, block_k)
     tq, tk = pl.cdiv(t, bq) * bq, pl.cdiv(t, bk) * bk  # whole-sequence blocks, padded (masked)
     valid = _valid(attention_mask, b, t)
-    cdt = _cdt(q.dtype)
+    cdt = compute_dtype(q.dtype)
     lse = lse.astype(cdt)
 
     # dQ and D: grid over (batch, q head, q block), as the forward
@@ -396,3 +393,17 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, attention_mask: ja
     _blocks(q.shape[1], q.shape[3], block_q, block_k)  # argument errors now, not inside a trace
     return _flash(q, k, v, attention_mask, None if scale is None else float(scale),
                   None if interpret is None else bool(interpret), block_q, block_k)
+
+
+def audit_cases():
+    """Cases for ``jaxgrad audit``: the kernels (16-row blocks, so several q and kv blocks and a partial last one)
+    on the inputs and padding of :func:`jaxgrad.ops.attention.audit_cases`."""
+    from jaxgrad.ops.attention import audit_make_qkv, audit_padding_mask, masked_reference
+    from jaxgrad.ops.registry import OpAudit
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, audit_padding_mask(q.shape[0], q.shape[1]), block_q=16, block_k=16)
+
+    sizes = ((2, 7, 3, 1, 8), (2, 37, 4, 2, 16), (2, 77, 4, 2, 32))
+    return (OpAudit("flash_attention[pallas]", fn, masked_reference, audit_make_qkv, sizes,
+                    arg_names=("q", "k", "v"), backend="pallas", interpret_sizes=sizes[:2]),)

@@ -26,11 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxgrad.ops.dtypes import compute_dtype
+
 __all__ = ["lora_linear", "lora_linear_reference", "lora_linear_fwd", "lora_linear_bwd", "dropout_keep_scale"]
-
-
-def _cdt(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def dropout_keep_scale(key, rate: float, shape, dtype) -> jax.Array | None:
@@ -48,7 +46,7 @@ def _mm(a, b_t, cdt):
 
 def lora_linear_reference(x, w, a, b, scale: float, keep_scale=None):
     """Plain JAX: ``x W^T + s (drop(x) A^T) B^T`` with W frozen (``stop_gradient``)."""
-    cdt = _cdt(x.dtype)
+    cdt = compute_dtype(x.dtype)
     w = jax.lax.stop_gradient(w)
     xd = x if keep_scale is None else x * keep_scale
     y = x.astype(cdt) @ w.astype(cdt).T + scale * ((xd.astype(cdt) @ a.astype(cdt).T) @ b.astype(cdt).T)
@@ -62,7 +60,7 @@ def lora_linear_fwd(x, w, a, b, scale, keep_scale=None, *, xw=None, fold_b=False
     ``fold_b``: the LoRA term joins the base GEMM along its contraction, :math:`Y = [X \,|\, sU] [W \,|\, B]^\top`
     (``sU`` rounded to x's dtype as an operand, fp32 accumulation, one rounding of ``Y``), instead of a separate
     ``U B^T`` product written at ``[N, out]`` in fp32 and added (issue #13; the LoRA block's default)."""
-    cdt = _cdt(x.dtype)
+    cdt = compute_dtype(x.dtype)
     if fold_b and a is not None and xw is None:
         xd = x if keep_scale is None else x * keep_scale.astype(x.dtype)
         su = (scale * _mm(xd, a, cdt)).astype(x.dtype)  # s U = s drop(X) A^T, one rounding to the operand dtype
@@ -84,7 +82,7 @@ def lora_linear_bwd(x, w, a, b, scale, keep_scale, dy, dx_dtype=None, *, dyw=Non
     ``dA`` and ``dB`` are computed here. ``su`` / ``sg``: ``s U`` / ``s G`` ``[..., r]`` as the Mosaic GPU kernels
     wrote them (rounded once to x's dtype); then ``dB = dY^T (sU)`` and ``dA = (sG)^T drop(X)`` without recomputing
     ``U`` or ``G`` (the same products: ``s`` moves inside the one rounding, exact for a power-of-two ``s``)."""
-    cdt = _cdt(x.dtype)
+    cdt = compute_dtype(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     # The products take dY in the layer's own dtype: a bf16 layer multiplies bf16 operands with fp32 accumulation
@@ -166,3 +164,31 @@ def lora_linear(x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array, *, scale
     if dropout_rate > 0 and dropout_key is None:
         dropout_rate = 0.0
     return _lora_linear(x, w, a, b, float(scale), float(dropout_rate), dropout_key)
+
+
+def audit_cases():
+    """Cases for ``jaxgrad audit``: ``x [B, T, in]``, random non-zero ``A`` and ``B``, the frozen ``W`` closed over
+    (fixed white noise per shape). No dropout here: the mask's bits depend on JAX's x64 mode, so the float64
+    reference would draw another mask than the float32 run (``tests/test_op_variants.py`` checks dropout in
+    float64)."""
+    from jaxgrad.ops.registry import OpAudit, frozen_normal
+
+    rank = 4
+
+    def make_args(key, size):
+        b, t, n_in, n_out = size
+        kx, ka, kb = jax.random.split(key, 3)
+        return (jax.random.normal(kx, (b, t, n_in)), jax.random.normal(ka, (rank, n_in)) * n_in ** -0.5,
+                jax.random.normal(kb, (n_out, rank)) * rank ** -0.5)
+
+    def frozen_w(x, b):
+        return jnp.asarray(frozen_normal((b.shape[0], x.shape[-1]), 1, x.shape[-1] ** -0.5), x.dtype)
+
+    def fn(x, a, b):
+        return lora_linear(x, frozen_w(x, b), a, b, scale=2.0)
+
+    def reference(x, a, b):
+        return lora_linear_reference(x, frozen_w(x, b), a, b, 2.0)
+
+    sizes = ((2, 7, 24, 40), (2, 19, 72, 56), (3, 41, 136, 200))
+    return (OpAudit("lora_linear[xla]", fn, reference, make_args, sizes, arg_names=("x", "lora_A", "lora_B")),)

