@@ -10,9 +10,9 @@ target) it runs :func:`jaxgrad.cnn.precision.precision_study`: the f32 loss and 
 the same errors for planted layout bugs (flip, kh<->kw transpose, O<->I swap, 1-pixel shift) applied to the f32
 weight gradient; and ``check_vjp`` on one conv layer, correct and with a planted flip. It prints the tables and a
 verdict computed from the numbers and writes everything as JSON (``--out``, default
-``runs/bench/cnn-precision-<device>-<date>.json`` under the current directory: git-ignored in a checkout, so a run
-never changes the repository; ``--out benchmarks/results/<name>.json`` adds it to the committed results), rewritten
-after each size so an interrupted run keeps what it measured.
+``runs/bench/cnn-precision-<backend>-ref<device>-<device>-<precision>-<date>-<time>.json`` under the current
+directory: git-ignored in a checkout, so a run never changes the repository; ``--out benchmarks/results/<name>.json``
+adds it to the committed results), rewritten after each size so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verifier", action="store_true", help="skip check_vjp on one conv layer")
     ap.add_argument("--no-time-reference", action="store_true", help="do not time a plain float64 run")
     ap.add_argument("--out", default=None, help=f"JSON path (default {bm.DEFAULT_RESULTS_DIR}/cnn-precision-"
-                                                 "<device>-<date>.json, git-ignored)")
+                                                 "<backend>-ref<device>-<device>-<precision>-<date>-<time>.json, "
+                                                 "git-ignored)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
@@ -71,8 +72,10 @@ def main(argv=None) -> int:
     env = bm.environment()
     env["precisions"] = {p: cp.effective_precision(p)[0] for p in precisions}  # what "default" means here
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    prec = "highest" if precisions == ["highest"] else ("tf32" if env["platform"] == "gpu" else "default")
+    suite = f"cnn-precision-{args.backend}-ref{args.reference_device or env['platform']}"
     out = pathlib.Path(args.out) if args.out else (
-        pathlib.Path(bm.DEFAULT_RESULTS_DIR) / f"cnn-precision-{bm.device_slug(env['device_kind'])}-{stamp}.json")
+        pathlib.Path(bm.DEFAULT_RESULTS_DIR) / f"{suite}-{bm.device_slug(env['device_kind'])}-{prec}-{stamp}.json")
     print(f"device: {env['device_kind']} ({env['platform']}), jax {env['jax']}, matmul precision "
           f"{env['matmul_precision']}; precisions {env['precisions']}; sizes {sizes}, batch {args.batch}", flush=True)
 

@@ -28,7 +28,8 @@ chains the phases and reports. The layer forward is ``kan_linear_reference`` (``
 the model is tiny; ``--backend xla|pallas`` trains through the custom VJP instead). ``jaxgrad train kan`` is the
 checkpointed, resumable run of the same fit. No bias, as in pykan's default
 ``MultKAN`` (its node affine parameters are frozen). Prints train/test RMSE per G next to pykan's reported values,
-writes ``kan_fit_<date>.json`` and ``kan_fit_activations.png`` into ``--out-dir`` (default ``runs/bench`` under the
+writes ``kan-fit-<device>-f64-<YYYYmmdd>-<HHMMSS>.json`` and the ``.png`` of the learned activations
+(``kan-fit-quick-...`` with ``--quick``) into ``--out-dir`` (default ``runs/bench`` under the
 current directory: git-ignored in a checkout, so a run never changes the repository; ``--out-dir
 benchmarks/results`` adds them to the committed results).
 """
@@ -45,6 +46,7 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -148,7 +150,9 @@ def main(argv=None):
 
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d")
+    device = re.sub(r"[^a-z0-9]+", "-", jax.devices()[0].device_kind.lower()).strip("-")
+    stem = f"kan-fit{'-quick' if q else ''}-{device}-f64-" + \
+        datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     result = {
         "task": "pykan Example_1_function_fitting: f(x,y)=exp(sin(pi x)+y^2), width [2,1,1], k=3",
         "quick": q, "grids": grids, "steps_per_grid": steps, "lbfgs_iters_per_step": ips,
@@ -160,13 +164,13 @@ def main(argv=None):
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "jax": jax.__version__, "optax": optax.__version__,
         "total_seconds": total, "results": rows,
     }
-    json_path = out_dir / f"kan_fit_{stamp}{'_quick' if q else ''}.json"
+    json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {json_path} ({total:.1f} s total)")
     if not args.no_plot:
         from jaxgrad.kan.plot import plot_activations
 
-        png = out_dir / ("kan_fit_activations_quick.png" if q else "kan_fit_activations.png")
+        png = out_dir / f"{stem}.png"
         plot_activations(layers, png, title=f"exp(sin(pi x) + y^2), [2,1,1], G={grids[-1]}")
         print(f"wrote {png}")
     return result

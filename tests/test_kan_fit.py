@@ -15,7 +15,7 @@ from jaxgrad.kan.layer import KANConfig, init
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # pykan's reported RMSE series for this task (docs Example_1_function_fitting), as committed with the full run
-PYKAN_SERIES = ROOT / "benchmarks/results/kan_fit_20261122.json"
+PYKAN_SERIES = ROOT / "benchmarks/results/kan-fit-cpu-f64-20261122-025328.json"
 # The --quick run may be this many times pykan's RMSE at G=3 (the coarsest G of pykan's series; pykan reports no
 # G=5, and a finer grid fully trained only does better). Why 25: the quick run trains 200 samples for 50 Adam steps
 # plus 20 L-BFGS iterations per G, where pykan (and our full run, which is within 1.4x of pykan at every G) trains
@@ -44,7 +44,7 @@ def test_kan_fit_quick_runs(tmp_path):
     proc = subprocess.run(cmd + ([] if plot else ["--no-plot"]), capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (js,) = tmp_path.glob("kan_fit_*_quick.json")
+    (js,) = tmp_path.glob("kan-fit-quick-cpu-f64-*.json")
     res = json.loads(js.read_text())
     assert [r["G"] for r in res["results"]] == [3, 5]
     pykan = {r["G"]: r for r in json.loads(PYKAN_SERIES.read_text())["results"]}[3]
@@ -53,7 +53,7 @@ def test_kan_fit_quick_runs(tmp_path):
         assert 0 < r["test_rmse"] < QUICK_VS_PYKAN_FACTOR * pykan["pykan_test_rmse"], r
     assert res["results"][1]["test_rmse"] < res["results"][0]["test_rmse"]  # refining to G=5 helps
     if plot:  # without matplotlib the script ran with --no-plot
-        png = tmp_path / "kan_fit_activations_quick.png"
+        png = js.with_suffix(".png")
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
