@@ -167,7 +167,8 @@ def _block_fn(path):
     if path == "cudnn-path":
         return lambda p, l, x, m: block_mod._block_sdpa(p, l, x, CFG, LCFG, attention_mask=m)
     if path == "reference-cudnn-path":
-        return lambda p, l, x, m: block_reference(p, l, x, CFG, LCFG, attention_mask=m, attention="sdpa:xla")
+        return lambda p, l, x, m: block_mod._block_reference(p, l, x, CFG, LCFG, attention_mask=m,
+                                                             attention="sdpa:xla")
     raise AssertionError(path)
 
 

@@ -207,15 +207,12 @@ def test_block_nf4_base_weights_match_dense_dequantised():
     assert max(jax.tree.leaves(errs)) < 2e-5, errs
 
 
-@pytest.mark.parametrize("repeat_kv", [True, False], ids=["kv-repeated", "gqa"])
-def test_cudnn_code_path_with_xla_sdpa_matches_reference(repeat_kv):
-    # 3 q heads on 1 kv head: with repeat_kv K and V are repeated to the q heads before the SDPA call and the
-    # repeat's VJP sums the group's dK, dV; without it (the default) the SDPA call does GQA itself
+def test_cudnn_code_path_with_xla_sdpa_matches_reference():
+    # 3 q heads on 1 kv head: the SDPA call does GQA itself; its VJP is taken once, in the backward's recompute
     c = CASES["llama3-rope-padding-positions"]
     params, lora, x = make_block(8, jnp.float32, c["cfg"], c["lcfg"])
     ct = jax.random.normal(jax.random.key(9), x.shape)
-    f = lambda l, x: block_mod._block_sdpa(params, l, x, c["cfg"], c["lcfg"], repeat_kv=repeat_kv,  # noqa: E731
-                                           **c["kw"])
+    f = lambda l, x: block_mod._block_sdpa(params, l, x, c["cfg"], c["lcfg"], **c["kw"])  # noqa: E731
     r = lambda l, x: block_reference(params, l, x, c["cfg"], c["lcfg"], **c["kw"])  # noqa: E731
     (y, pb), (y_ref, pb_ref) = jax.vjp(jax.jit(f), lora, x), jax.vjp(jax.jit(r), lora, x)
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=4e-6 * float(jnp.max(jnp.abs(y_ref))))
@@ -256,6 +253,10 @@ def test_block_bad_input_is_named():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="attention='cudnn' needs a GPU"):
             block(params, lora, x, CFG, LCFG, attention="cudnn")
+    # the cuDNN code path with another SDPA implementation is private (block._block_sdpa / _block_reference)
+    for fn in (block, block_reference):
+        with pytest.raises(ValueError, match="'attention' must be one of 'xla', 'cudnn', 'pallas', got 'sdpa:xla'"):
+            fn(params, lora, x, CFG, LCFG, attention="sdpa:xla")
     with pytest.raises(ValueError, match="rope_scaling.*'yarn' is not supported"):
         LlamaConfig(hidden_size=24, num_attention_heads=3, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="'attention_bias' = True is not supported"):

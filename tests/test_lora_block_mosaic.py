@@ -86,7 +86,7 @@ def test_every_projection_takes_the_kernels_when_lowered_for_a_gpu(monkeypatch, 
         assert len(calls) == 7 and not any("xf32>" in c.split("->")[-1] for c in calls), len(calls)
         return
     assert len(calls) == 8, len(calls)
-    # the dX kernels write the operand dtype (bf16; BlockKernels.mosaic_dx_f32 for fp32): no fp32 result anywhere
+    # the dX kernels write the operand dtype (bf16; the sums of the projections' dX stay fp32): no fp32 result
     assert not any("xf32>" in c.split("->")[-1] for c in calls)
     # each reads its rank-r product (sU, sG: [rows, r] in bf16, computed by XLA; the backward's dB / dA reuse it)
     assert all("tensor<256x16xbf16>" in re.search(r": \(([^()]*)\) -> [^>]*>$", c).group(1) for c in calls)
@@ -119,58 +119,6 @@ def test_fp32_master_adapters_take_the_kernels_too(monkeypatch):
     assert len(_kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))) == 8
 
 
-def test_without_rank_outputs_the_kernels_return_one_result(monkeypatch):
-    # BlockKernels(mosaic_rank=False): the session-12 kernels (bench variant "custom_vjp cudnn mosaic-no-rank"),
-    # whose backward recomputes U and G on XLA; the same 8 kernels, each with its one output
-    from jaxgrad.lora.block import _block
-    from jaxgrad.lora.kernels import BlockKernels
-
-    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
-    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
-    frozen, norms, lora, x = _inputs(12, jnp.bfloat16)
-    kern = BlockKernels("mosaic", fold_b=True, mosaic_rank=False)
-    fn = lambda x, lora, norms: _block(CFG, LCFG, "xla", {**frozen, **norms}, lora, x, None, None, None, kern)  # noqa
-    calls = _kernel_calls(fn, x, lora, norms, lowering_platforms=("cuda",))
-    assert len(calls) == 8 and not any("16xbf16>)" in c.split("->")[-1] for c in calls)
-
-
-def test_f32_dx_option_makes_the_dx_kernels_write_fp32(monkeypatch):
-    # BlockKernels(mosaic_dx_f32=True) (bench variant "custom_vjp cudnn mosaic-f32-dx", session 13's form): the 4 dX
-    # kernels write fp32, the forward ones are unchanged
-    from jaxgrad.lora.kernels import BlockKernels
-
-    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
-    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
-    frozen, norms, lora, x = _inputs(14, jnp.bfloat16)
-    calls = _kernel_calls(_fn_kern(frozen, BlockKernels("mosaic", fold_b=True, mosaic_dx_f32=True)), x, lora, norms,
-                          lowering_platforms=("cuda",))
-    assert len(calls) == 8 and sum("xf32>" in c.split("->")[-1] for c in calls) == 4
-
-
-@pytest.mark.parametrize("tiles", [dict(wgmma_in_flight=1), dict(rank_from_xla=False)])
-def test_tile_config_reaches_the_kernels(monkeypatch, tiles):
-    # BlockKernels(mosaic_tiles=...) (bench variant "custom_vjp cudnn mosaic-in-flight"): the same 8 kernels, lowered
-    # with the given pipelining (a different kernel body: other hashes than the default's)
-    from jaxgrad.lora.kernels import BlockKernels
-    from jaxgrad.ops.lora_linear_mgpu import TileConfig
-
-    monkeypatch.setattr(kernels_mod, "_on_gpu", lambda: True)
-    monkeypatch.setattr(mgpu_mod, "_num_sms", lambda: 132)
-    frozen, norms, lora, x = _inputs(16, jnp.bfloat16)
-    kern = BlockKernels("mosaic", fold_b=True, mosaic_tiles=TileConfig(**tiles))
-    calls = _kernel_calls(_fn_kern(frozen, kern), x, lora, norms, lowering_platforms=("cuda",))
-    default = _kernel_calls(_fn(frozen), x, lora, norms, lowering_platforms=("cuda",))
-    hashes = lambda cs: {re.search(r'kernel_hash = "([^"]*)"', c).group(1) for c in cs}  # noqa: E731
-    assert len(calls) == 8 and not hashes(calls) & hashes(default)
-
-
-def _fn_kern(frozen, kern):
-    """The block through its custom VJP with a kernel choice that is not a block() argument."""
-    from jaxgrad.lora.block import _block
-
-    return lambda x, lora, norms: _block(CFG, LCFG, "xla", {**frozen, **norms}, lora, x, None, None, None, kern)
-
-
 @pytest.mark.gpu
 def test_gpu_mosaic_block_at_odd_sizes_vjp_verified_bf16():
     # seq 77, hidden 96, 3 q heads / 1 kv head, intermediate 160, r 4: every projection padded to the kernels' tiles
@@ -185,19 +133,12 @@ def test_gpu_mosaic_block_at_odd_sizes_vjp_verified_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["default", "dx-f32", "in-flight", "rank-in-kernel", "nf4"])
+@pytest.mark.parametrize("kind", ["dense", "nf4"])
 def test_gpu_mosaic_block_vjp_verified_bf16(kind):
-    # default: bf16 dX kernels; dx-f32: BlockKernels.mosaic_dx_f32; in-flight: TileConfig(wgmma_in_flight=1)
-    from jaxgrad.lora.kernels import BlockKernels
-    from jaxgrad.ops.lora_linear_mgpu import TileConfig
-
     frozen, norms, lora, x = _inputs(11, jnp.bfloat16)
     if kind == "nf4":  # QLoRA: NF4 base weights, dequantised by XLA for the kernels (the reference dequantises too)
-        frozen, kind = _nf4(frozen), "default"
-    opts = {"default": None, "dx-f32": dict(mosaic_dx_f32=True),
-            "in-flight": dict(mosaic_tiles=TileConfig(wgmma_in_flight=1)),
-            "rank-in-kernel": dict(mosaic_tiles=TileConfig(rank_from_xla=False))}[kind]
-    fn = _fn(frozen) if opts is None else _fn_kern(frozen, BlockKernels("mosaic", fold_b=True, **opts))
+        frozen = _nf4(frozen)
+    fn = _fn(frozen)
     assert len(_kernel_calls(fn, x, lora, norms)) == 8  # compiled for this GPU: the kernels are really there
     # and in the optimised program each projection's forward kernel runs once, shared by the backward's recompute
     # (XLA's CSE of identical calls), beside its dX kernel: 7 + 7 launches
@@ -216,7 +157,7 @@ def test_gpu_mosaic_block_vjp_verified_bf16(kind):
 def test_gpu_one_cudnn_forward_per_training_step(backend):
     # attention="cudnn": the forward's cuDNN call is the training-mode one (it also writes the softmax statistics),
     # identical to the backward's recompute, so XLA merges the two: one forward and one backward cuDNN call per step
-    # (session 11's profile had two forwards, the forward's in inference mode, 0.15 ms each at the benchmark shape)
+    # (otherwise the forward's unused pullback lets JAX take cuDNN's inference-mode kernel: two forwards per step)
     frozen, norms, lora, x = _inputs(15, jnp.bfloat16)
     fn = lambda x, lora, norms: block({**frozen, **norms}, lora, x, CFG, LCFG, backend=backend,  # noqa: E731
                                       attention="cudnn")

@@ -82,19 +82,11 @@ def test_odd_sizes_lower_through_zero_padding(mode, monkeypatch):
     assert "tensor<256x" in call.split("->")[-1]  # the padded rows
 
 
-# the default (rank-r product from XLA, a plain-GEMM K loop), the same with one step's wgmma in flight, and the
-# kernel computing U / G in its K loop beside the main product (rank-in-kernel), also with in-flight wgmma
-CONFIGS = {"default": TileConfig(), "in-flight": TileConfig(wgmma_in_flight=1),
-           "rank-in-kernel": TileConfig(rank_from_xla=False),
-           "rank-in-kernel-in-flight": TileConfig(rank_from_xla=False, wgmma_in_flight=1)}
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (8192, 2048, 1024), (256, 5632, 384), (256, 384, 5632)])
-def test_the_kernel_lowers_for_hopper_on_any_machine(mkn, config):
+def test_the_kernel_lowers_for_hopper_on_any_machine(mkn):
     # Mosaic GPU lowers to its MLIR in Python: shapes, layouts, shared-memory budget are checked without a GPU
     m, k, n = mkn
-    cfg = CONFIGS[config]
+    cfg = TileConfig()
     spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, k), (n, k), (16, k), (n, 16)]]
     low = _call.trace(*spec, scale=SCALE, config=cfg, num_sms=132).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in low.as_text()
@@ -106,41 +98,30 @@ def test_the_kernel_lowers_for_hopper_on_any_machine(mkn, config):
         assert "mosaic_gpu" in low.as_text()
 
 
-def test_tile_config_names_a_bad_pipelining():
-    with pytest.raises(ValueError, match="'wgmma_in_flight' must be 0 or 1, got 2"):
-        TileConfig(wgmma_in_flight=2)
-    with pytest.raises(ValueError, match="'max_concurrent_steps' \\(1\\) must exceed 'wgmma_in_flight' \\(1\\)"):
-        TileConfig(max_concurrent_steps=1, wgmma_in_flight=1)
-
-
 @pytest.mark.parametrize("mode", ["fwd", "dx"])
-def test_the_rank_side_output_lowers_as_a_second_result(mode):
-    # emit_rank with the rank-r product computed in the K loop (rank_from_xla=False): the kernel returns (Y, s L R2)
-    # with the [M, r] product in the operand dtype; by default XLA computes it and the kernel reads it (one result)
+def test_the_kernel_reads_the_rank_product_and_returns_y_alone(mode):
+    # the rank-r product s L R2 ([M, r] in the operand dtype) is XLA's, an operand of the kernel; the kernel's one
+    # result is Y, and emit_rank hands the same [M, r] product back beside it (for the backward's dA / dB)
     m, k, n = 512, 256, 384
     shapes = [(m, k), (n, k), (16, k), (n, 16)] if mode == "fwd" else [(m, n), (n, k), (16, k), (n, 16)]
     spec = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     out = {} if mode == "fwd" else {"out_dtype": jnp.dtype(jnp.float32)}
     y_type = f"tensor<{m}x{n if mode == 'fwd' else k}x{'bf16' if mode == 'fwd' else 'f32'}>"
-    text = _call.trace(*spec, scale=SCALE, config=CONFIGS["rank-in-kernel"], num_sms=132, mode=mode, emit_rank=True,
-                       **out).lower(lowering_platforms=("cuda",)).as_text()
-    (call,) = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    assert call.split("->")[-1].strip().startswith(f"({y_type}, tensor<{m}x16xbf16>)"), call.split("->")[-1]
-    # the default: the kernel reads the [M, r] product (an operand) and returns Y alone
-    text = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132, mode=mode, emit_rank=True,
-                       **out).lower(lowering_platforms=("cuda",)).as_text()
-    (call,) = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    traced = _call.trace(*spec, scale=SCALE, config=TileConfig(), num_sms=132, mode=mode, emit_rank=True, **out)
+    y, rank = traced.out_info
+    assert rank.shape == (m, 16) and rank.dtype == jnp.bfloat16 and y.shape == (m, n if mode == "fwd" else k)
+    (call,) = [line for line in traced.lower(lowering_platforms=("cuda",)).as_text().splitlines()
+               if "custom_call @mosaic_gpu" in line]
     operand_types = re.search(r": \(([^()]*)\) -> [^>]*>$", call).group(1)
     assert call.split("->")[-1].strip().startswith(y_type) and f"tensor<{m}x16xbf16>" in operand_types
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "in-flight", "rank-in-kernel"])
 @pytest.mark.parametrize("mkn", [(512, 256, 128), (768, 320, 384), (8192, 2048, 1024), (8192, 5632, 2048)])
-def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn, config):
+def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn):
     m, k, n = mkn
     x, w, a, b = _operands(sum(mkn), m, k, n, 16)
-    y = np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE, CONFIGS[config]), np.float64)
+    y = np.asarray(lora_linear_fwd_mgpu(x, w, a, b, SCALE), np.float64)
     y_xla = np.asarray(jax.jit(functools.partial(lora_linear_fwd, scale=SCALE, fold_b=True))(x, w, a, b), np.float64)
     truth, bound = _bound_and_truth(x, w, a, b, SCALE)
     err, err_xla = np.abs(y - truth), np.abs(y_xla - truth)
@@ -154,21 +135,19 @@ def test_gpu_kernel_matches_the_formula_to_its_rounding(mkn, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "rank-in-kernel"])
-def test_gpu_odd_sizes_through_padding_match_the_formula(config):
+def test_gpu_odd_sizes_through_padding_match_the_formula():
     # batch 2 x seq 77 rows, hidden 96, out 160, r 4: every size off the tiles; forward and bf16 dX against their
     # error models, and the rank-r side outputs within two roundings of the exact products
     m, k, n, r = 154, 96, 160, 4
-    cfg = CONFIGS[config]
     x, w, a, b = _operands(77, m, k, n, r)
-    y, su = lora_linear_fwd_mgpu(x.reshape(2, 77, k), w, a, b, SCALE, cfg, return_su=True)
+    y, su = lora_linear_fwd_mgpu(x.reshape(2, 77, k), w, a, b, SCALE, return_su=True)
     assert y.shape == (2, 77, n) and su.shape == (2, 77, r)
     truth, bound = _bound_and_truth(x, w, a, b, SCALE)
     assert float(np.max(np.abs(np.asarray(y, np.float64).reshape(m, n) - truth) / bound)) <= 1.0
     exact, rbound = _rank_bound(x, a, SCALE)
     assert float(np.max(np.abs(np.asarray(su, np.float64).reshape(m, r) - exact) / rbound)) <= 1.0
     dy = jax.random.normal(jax.random.key(78), (m, n), jnp.float32).astype(jnp.bfloat16)
-    dx, sg = lora_linear_dx_mgpu(dy, w, a, b, SCALE, out_dtype=jnp.bfloat16, config=cfg, return_sg=True)
+    dx, sg = lora_linear_dx_mgpu(dy, w, a, b, SCALE, out_dtype=jnp.bfloat16, return_sg=True)
     assert dx.shape == (m, k) and sg.shape == (m, r)
     truth, bound = _dx_bound_and_truth(dy, w, a, b, SCALE, U_BF16)
     assert float(np.max(np.abs(np.asarray(dx, np.float64) - truth) / bound)) <= 1.0
@@ -199,18 +178,15 @@ def _dx_bound_and_truth(dy, w, a, b, s, u_out=U_F32):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype,config", [(jnp.float32, "default"), (jnp.bfloat16, "default"),
-                                              (jnp.bfloat16, "in-flight"), (jnp.bfloat16, "rank-in-kernel"),
-                                              (jnp.float32, "rank-in-kernel")],
-                         ids=["f32", "bf16", "bf16-in-flight", "bf16-rank-in-kernel", "f32-rank-in-kernel"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("mnk", [(512, 128, 256), (768, 320, 384), (8192, 1024, 2048), (8192, 2048, 5632)])
-def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk, out_dtype, config):
-    # dX = dY W + (s dY B) A for dy [M, N], w [N, K]: the block's backward product, fp32 or bf16 out (the block's
-    # default since session 14: one bf16 rounding of the fp32 accumulator)
+def test_gpu_dx_kernel_matches_the_formula_to_its_rounding(mnk, out_dtype):
+    # dX = dY W + (s dY B) A for dy [M, N], w [N, K]: the block's backward product, fp32 or bf16 out (the block
+    # asks for bf16: one bf16 rounding of the fp32 accumulator)
     m, n, k = mnk
     _, w, a, b = _operands(sum(mnk), m, k, n, 16)  # w [N, K], a [r, K], b [N, r]
     dy = jax.random.normal(jax.random.key(m * 7 + n), (m, n), jnp.float32).astype(jnp.bfloat16)
-    dx = lora_linear_dx_mgpu(dy, w, a, b, SCALE, out_dtype=out_dtype, config=CONFIGS[config])
+    dx = lora_linear_dx_mgpu(dy, w, a, b, SCALE, out_dtype=out_dtype)
     assert dx.dtype == out_dtype
     dx = np.asarray(dx, np.float64)
     truth, bound = _dx_bound_and_truth(dy, w, a, b, SCALE, U_F32 if out_dtype == jnp.float32 else U_BF16)
@@ -236,14 +212,12 @@ def _rank_bound(lhs, rhs_t, s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "rank-in-kernel"])
 @pytest.mark.parametrize("mkn", [(768, 384, 640), (8192, 2048, 1024)])  # shapes both kernels take
-def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn, config):
-    # sU = s X A^T and sG = s dY B as the epilogues used them: within two roundings of the exact product (every row
-    # block written, none shifted), and the main result unchanged by asking for them (by default XLA's product, which
-    # the epilogue read; rank-in-kernel: the kernel's own, stored by the CTAs of the first column tile)
+def test_gpu_rank_side_outputs_are_the_rounded_rank_products(mkn):
+    # sU = s X A^T and sG = s dY B as the epilogues used them: within two roundings of the exact product, and the
+    # main result unchanged by asking for them
     m, k, n = mkn
-    cfg = CONFIGS[config]
+    cfg = TileConfig()
     x, w, a, b = _operands(sum(mkn) + 1, m, k, n, 16)
     y, su = lora_linear_fwd_mgpu(x, w, a, b, SCALE, cfg, return_su=True)
     assert su.shape == (m, 16) and su.dtype == jnp.bfloat16

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxgrad.lora import model as model_mod
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.lora.hf import expected_shapes
 from jaxgrad.lora.model import IGNORE_INDEX, apply, causal_lm_loss, count_items, init, init_lora, loss_fn
@@ -159,6 +160,14 @@ def test_model_bad_input_is_named():
         LlamaConfig(hidden_size=24, num_attention_heads=3, gradient_checkpointing="offload")
     with pytest.raises(ValueError, match="'train_base' needs backend='reference'"):
         apply(params, lora, jnp.zeros((1, 3), jnp.int32), CFG, LCFG, train_base=True)
+    ids = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="apply: 'attention' must be one of 'xla', 'cudnn', 'pallas', got 'sdpa:xla'"):
+        apply(params, lora, ids, CFG, LCFG, attention="sdpa:xla")
+    with pytest.raises(ValueError, match="apply: 'attention' must be one of 'xla', 'cudnn', 'pallas', got 'sdpa:xla'"):
+        loss_fn(lora, params, ids, ids, 2, CFG, LCFG, attention="sdpa:xla")
+    # the private cuDNN code path on the CPU (tests, benchmarks) takes the custom VJP or the reference only
+    with pytest.raises(ValueError, match="attention='sdpa:xla' needs backend 'xla' or 'reference', got 'pallas'"):
+        model_mod._apply(params, lora, ids, CFG, LCFG, backend="pallas", attention="sdpa:xla")
     with pytest.raises(ValueError, match=r"config.json keys \['sliding_window'\] are not supported"):
         LlamaConfig.from_hf_dict({"hidden_size": 24, "num_attention_heads": 3, "sliding_window": 4096})
 

@@ -94,17 +94,6 @@ JAX_VARIANTS = {
     # NF4 base weights on the mosaic backend: dequantised by XLA, then the same kernels
     "custom_vjp cudnn nf4 mosaic": ("mosaic", "cudnn", True),
     "custom_vjp+low-memory cudnn mosaic": ("mosaic", "cudnn", False),
-    # the Mosaic GPU kernels without their rank-r side outputs (dA / dB recompute U and G on XLA)
-    "custom_vjp cudnn mosaic-no-rank": ("mosaic", "cudnn", False),
-    # the Mosaic GPU dX kernel writing dX in fp32 (BlockKernels.mosaic_dx_f32; the default writes bf16)
-    "custom_vjp cudnn mosaic-f32-dx": ("mosaic", "cudnn", False),
-    # the Mosaic GPU kernels leaving one K step's wgmma in flight (TileConfig.wgmma_in_flight = 1)
-    "custom_vjp cudnn mosaic-in-flight": ("mosaic", "cudnn", False),
-    # K, V repeated to the q heads for cuDNN's MHA kernels (BlockKernels.cudnn_repeat_kv; the default is GQA)
-    "custom_vjp cudnn mosaic-kv-repeat": ("mosaic", "cudnn", False),
-    # the Mosaic GPU kernels computing U / G in their K loop (TileConfig.rank_from_xla off; the default takes them
-    # from XLA)
-    "custom_vjp cudnn mosaic-rank-in-kernel": ("mosaic", "cudnn", False),
     # issue #13: the projections sharing an input as one GEMM with the LoRA A rows folded in (group_projections)
     "custom_vjp+grouped cudnn": ("xla", "cudnn", False),
     "custom_vjp+grouped cudnn nf4": ("xla", "cudnn", True),
@@ -113,13 +102,9 @@ JAX_VARIANTS = {
     # each projection's LoRA term as a separate U B^T product (block(fold_lora_b=False); the default folds it)
     "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
-# the mosaic variants that are BlockKernels options rather than block() arguments
-# the mosaic variants that are BlockKernels options rather than block() arguments: the variant name's last word ->
-# the options (``mosaic_tiles`` given as TileConfig fields: JAX is imported only by mosaic_kernel_options)
-MOSAIC_KERNEL_VARIANTS = {"mosaic-no-rank": dict(mosaic_rank=False), "mosaic-f32-dx": dict(mosaic_dx_f32=True),
-                          "mosaic-in-flight": dict(mosaic_tiles=dict(wgmma_in_flight=1)),
-                          "mosaic-kv-repeat": dict(cudnn_repeat_kv=True),
-                          "mosaic-rank-in-kernel": dict(mosaic_tiles=dict(rank_from_xla=False))}
+# the mosaic variants that are kernel options rather than block() arguments: the variant name's last word ->
+# the options. None now: the kernel forms they measured lost to the defaults and are gone (docs/design.md)
+MOSAIC_KERNEL_VARIANTS: dict = {}
 
 
 def mosaic_kernel_options(suffix: str) -> dict:
@@ -142,10 +127,7 @@ RUN_ORDER = ("custom_vjp cudnn", "jax.grad(reference) cudnn", TORCH_VARIANT, "cu
              "custom_vjp cudnn nf4", "custom_vjp+grouped cudnn nf4", "jax.grad(reference) xla-attn",
              "custom_vjp xla-attn", "custom_vjp cudnn pallas",
              "custom_vjp cudnn nf4 pallas", "custom_vjp cudnn mosaic", "custom_vjp cudnn nf4 mosaic",
-             "custom_vjp+low-memory cudnn mosaic", "custom_vjp cudnn mosaic-no-rank",
-             "custom_vjp cudnn mosaic-f32-dx", "custom_vjp cudnn mosaic-in-flight", "custom_vjp cudnn mosaic-kv-repeat",
-             "custom_vjp cudnn mosaic-rank-in-kernel",
-             "custom_vjp pallas-attn")  # most wanted first (a budget may cut)
+             "custom_vjp+low-memory cudnn mosaic", "custom_vjp pallas-attn")  # most wanted first (a budget may cut)
 
 
 def variant_names(on_gpu: bool) -> list[str]:
@@ -229,7 +211,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     import jax.numpy as jnp
     import ml_dtypes
 
-    from jaxgrad.lora.block import _block_sdpa, block, block_reference
+    from jaxgrad.lora.block import _block_reference, _block_sdpa, block
     from jaxgrad.lora.config import LoraConfig
 
     s = SIZES[sizes]
@@ -262,7 +244,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
 
     def run_block(params, lora, x):
         if backend == "reference":  # what block(backend="reference") runs, any attention implementation
-            return block_reference(params, lora, x, cfg, lcfg, attention=attention)
+            return _block_reference(params, lora, x, cfg, lcfg, attention=attention)
         if attention.startswith("sdpa:"):  # the attention="cudnn" code path with another implementation (CPU)
             return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1],
                                group_projections=grouped, low_memory=low_memory, fold_lora_b=fold_b)

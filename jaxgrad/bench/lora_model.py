@@ -213,10 +213,10 @@ def make_train_step(cfg, lcfg, optimizer, *, backend: str, attention: str):
     import jax
     import optax
 
-    from jaxgrad.lora.model import loss_fn
+    from jaxgrad.lora.model import _loss_fn  # loss_fn, whose attention may be "sdpa:xla"
 
     def train_step(lora, opt_state, params, input_ids, labels, n_items):
-        loss, grads = jax.value_and_grad(loss_fn)(lora, params, input_ids, labels, n_items, cfg, lcfg,
+        loss, grads = jax.value_and_grad(_loss_fn)(lora, params, input_ids, labels, n_items, cfg, lcfg,
                                                   backend=backend, attention=attention)
         updates, opt_state = optimizer.update(grads, opt_state, lora)
         return optax.apply_updates(lora, updates), opt_state, loss

@@ -34,12 +34,7 @@ def _lora_proj_variants(on_gpu: bool) -> dict[str, Callable]:
          "xla unfolded": lambda x, w, a, b: lora_linear_fwd(x, w, a, b, s),
          "x W^T alone (cuBLAS, no LoRA)": lambda x, w, a, b: lora_linear_fwd(x, w, None, None, s)}
     if on_gpu:
-        from jaxgrad.ops.lora_linear_mgpu import TileConfig
-
-        fly, rk = TileConfig(wgmma_in_flight=1), TileConfig(rank_from_xla=False)
-        v = {"mosaic-gpu (sU from XLA, default)": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s),
-             "mosaic-gpu, wgmma in flight": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s, fly),
-             "mosaic-gpu fused (U in the K loop)": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s, rk), **v}
+        v = {"mosaic-gpu (sU from XLA, default)": lambda x, w, a, b: lora_linear_fwd_mgpu(x, w, a, b, s), **v}
     return v
 
 
@@ -56,16 +51,10 @@ def _lora_proj_dx_variants(on_gpu: bool) -> dict[str, Callable]:
     v = {"xla dX (block default)": xla_dx,
          "dY W alone (cuBLAS, no LoRA)": lambda dy, w, a, b: jnp.matmul(dy, w, preferred_element_type=f32)}
     if on_gpu:
-        from jaxgrad.ops.lora_linear_mgpu import TileConfig
-
-        fly, rk, bf16 = TileConfig(wgmma_in_flight=1), TileConfig(rank_from_xla=False), jnp.bfloat16
+        bf16 = jnp.bfloat16
         v = {"mosaic-gpu dX, fp32 out": lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s),
              "mosaic-gpu dX, bf16 out (sG from XLA; mosaic block default)":
                  lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16),
-             "mosaic-gpu dX, bf16 out, wgmma in flight":
-                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=fly),
-             "mosaic-gpu fused dX, bf16 out (G in the K loop)":
-                 lambda dy, w, a, b: lora_linear_dx_mgpu(dy, w, a, b, s, out_dtype=bf16, config=rk),
              **_mosaic_example_variants(), **v}
     return v
 

@@ -133,9 +133,11 @@ from jaxgrad.ops.rmsnorm import rms_norm_reference
 from jaxgrad.ops.rope import apply_rope_reference, rope_bwd_x, rope_cos_sin, rope_fwd
 from jaxgrad.ops.swiglu import swiglu_reference
 
-__all__ = ["base_weight", "block", "block_reference", "validate_block_inputs"]
+__all__ = ["ATTENTIONS", "base_weight", "block", "block_reference", "check_attention", "validate_block_inputs"]
 
 NORMS = ("input_layernorm", "post_attention_layernorm")
+#: ``attention=`` of :func:`block`, :func:`block_reference` and :func:`jaxgrad.lora.model.apply`
+ATTENTIONS = ("xla", "cudnn", "pallas")
 # the projections that share an input: each group is one GEMM where it can be (jaxgrad.lora.grouped)
 QKV = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"))
 O_PROJ = (("self_attn", "o_proj"),)
@@ -145,6 +147,16 @@ DOWN = (("mlp", "down_proj"),)
 
 def _weight_shape(w):
     return tuple(w.shape)
+
+
+def check_attention(attention, where: str) -> None:
+    """``attention`` is one of :data:`ATTENTIONS`, and ``"cudnn"`` has a GPU; else a ``ValueError`` naming it."""
+    if not isinstance(attention, str) or attention not in ATTENTIONS:
+        raise ValueError(f"{where}: 'attention' must be one of {', '.join(repr(a) for a in ATTENTIONS)}, got "
+                         f"{attention!r}")
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(f"{where}: attention='cudnn' needs a GPU (jax.default_backend() is "
+                         f"{jax.default_backend()!r}); use attention='xla'")
 
 
 def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions, attention_mask):
@@ -246,8 +258,19 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
                     attention_mask=None, dropout_key=None, train_base: bool = False, attention: str = "xla"):
     """The block in plain JAX: ``jax.grad`` of this is the oracle of :func:`block`'s VJP. Frozen projection weights
     are ``stop_gradient`` (unless ``train_base``, for training a base model from scratch); the norm weights are
-    differentiable. ``attention="cudnn"`` (GPU; ``"sdpa:<implementation>"`` in tests) puts
-    ``jax.nn.dot_product_attention`` in place of the plain attention (what a JAX user would write; benchmarks)."""
+    differentiable. ``attention``: ``"xla"`` (the plain attention), ``"cudnn"`` (GPU:
+    ``jax.nn.dot_product_attention(implementation="cudnn")`` in its place, what a JAX user would write) or
+    ``"pallas"`` (:func:`jaxgrad.ops.flash_attention.flash_attention`, its own custom VJP)."""
+    check_attention(attention, "block_reference")
+    return _block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key, train_base,
+                            attention)
+
+
+def _block_reference(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
+                     train_base=False, attention="xla"):
+    """:func:`block_reference` unchecked: ``attention`` may also be ``"sdpa:<implementation>"``, the ``"cudnn"``
+    code path with another ``jax.nn.dot_product_attention`` implementation (private: tests and benchmarks on a
+    CPU)."""
     dt = x.dtype
     b, t, _ = x.shape
     check_attention_mask(attention_mask, b, t, "block_reference")
@@ -285,14 +308,12 @@ def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, 
 # ---------------------------------------------------------------------------------------------------------------
 # The custom VJP
 # ---------------------------------------------------------------------------------------------------------------
-def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False, repeat_kv=False, key_lengths=False):
+def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False, key_lengths=False):
     """Causal GQA attention through ``jax.nn.dot_product_attention``, honouring any ``[B, T]`` padding mask.
 
-    ``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation, for CPU tests).
+    ``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation: the private
+    :func:`_block_sdpa`, :func:`_block_reference` and :func:`jaxgrad.lora.model._apply` reach it on a CPU).
     ``return_residual``: ``(O, lse)``, cuDNN's training-mode forward (see :func:`_recompute_attention`).
-    ``repeat_kv``: ``K`` and ``V`` repeated to the query heads first (head ``h`` reads kv head ``h // G``, as GQA
-    does; the repeat's VJP sums each group's ``dK``, ``dV``): cuDNN's MHA kernels instead of its GQA ones
-    (:class:`jaxgrad.lora.kernels.BlockKernels`' ``cudnn_repeat_kv``).
 
     The mask, in one of two forms (the caller picks; both give :func:`jaxgrad.ops.attention.attention_reference`'s
     function):
@@ -313,9 +334,6 @@ def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False, repea
     there is no bias). The extra key comes after every real query (causal: none sees it; it is padding in the mask
     form and beyond every key length) and the extra query row is dropped, so the result is unchanged."""
     implementation = attn.split(":", 1)[1] if attn.startswith("sdpa:") else attn
-    g = q.shape[2] // k.shape[2]
-    if repeat_kv and g > 1:
-        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     b, t = q.shape[:2]
     pad = t % 2
     if pad:
@@ -402,8 +420,8 @@ def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, ls
         # custom call from the backward's, so XLA could not merge the two (two cuDNN forwards per step, 0.15 ms
         # each in session 11's profile); identical calls are merged (CSE) when both are in one program
         (o, cudnn_lse), pull = jax.vjp(
-            lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True, kern.cudnn_repeat_kv,
-                                             kern.cudnn_key_lengths), q, k, v)
+            lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True, kern.cudnn_key_lengths),
+            q, k, v)
         attn_pullback = lambda do: pull((do, jnp.zeros_like(cudnn_lse)))  # noqa: E731 - O's cotangent only
     elif lse is None:
         o, lse = attention_fwd(q, k, v, attention_mask)
@@ -572,14 +590,10 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
     if backend not in BACKENDS:
         raise ValueError(f"block: 'backend' must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
-    if attention not in ("xla", "cudnn", "pallas"):
-        raise ValueError(f"block: 'attention' must be 'xla', 'cudnn' or 'pallas', got {attention!r}")
-    if attention == "cudnn" and jax.default_backend() != "gpu":
-        raise ValueError("block: attention='cudnn' needs a GPU (jax.default_backend() is "
-                         f"{jax.default_backend()!r}); use attention='xla'")
+    check_attention(attention, "block")
     if backend == "reference":
-        return block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key,
-                               attention=attention)
+        return _block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key,
+                                attention=attention)
     # interpret only matters to the kernels: the xla backend without Pallas attention ignores it (one trace)
     kernels = backend == "pallas" or attention == "pallas"
     kern = BlockKernels(backend, None if interpret is None or not kernels else bool(interpret),
@@ -589,11 +603,11 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True, repeat_kv=False):
-    """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation
-    (tests run it with ``"xla"`` on the CPU); ``repeat_kv``: ``BlockKernels.cudnn_repeat_kv``."""
+                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True):
+    """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation:
+    private, for the tests and the benchmarks, which run it with ``"xla"`` on the CPU."""
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
     return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
                   BlockKernels(group=bool(group_projections), low_memory=bool(low_memory), fold_b=bool(fold_lora_b),
-                               cudnn_repeat_kv=bool(repeat_kv), cudnn_key_lengths=right_padded(attention_mask)))
+                               cudnn_key_lengths=right_padded(attention_mask)))

@@ -25,9 +25,9 @@ dequantised to the activation dtype by XLA first) -- in the forward and in the b
 with ``fold_lora_b``'s arithmetic (``sU`` rounded once to the operand dtype, one rounding of ``Y``), where the call
 qualifies (a GPU, 16-bit operands, no dropout mask, ``fold_lora_b``; sizes off the kernels' tiles are zero-padded by
 the kernels' wrappers); and each such projection's ``dX = dY W + (s dY B) A`` in the backward is
-:func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu` (``dX`` in the operand dtype since session 14, fp32 with
-``mosaic_dx_f32``; ``s dY B`` rounded once to the operand dtype). Both kernels also return their rank-r products as
-rounded (``sU``, ``sG``; by default XLA computes them and the kernels read them, ``TileConfig.rank_from_xla``), from
+:func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_dx_mgpu` (``dX`` in the operand dtype, as PEFT's bf16 autograd
+writes it: half the bytes of fp32, and the sums q + k + v, gate + up stay fp32; ``s dY B`` rounded once to the
+operand dtype). Both kernels read their rank-r products ``sU``, ``sG`` from a skinny XLA GEMM and return them, from
 which XLA forms ``dB = dY^T (sU)`` and ``dA = (sG)^T h`` without a second skinny pass over ``h`` or ``dY``.
 Elsewhere, and for everything else (``dA``, ``dB`` themselves, attention, norms), the XLA path.
 
@@ -90,22 +90,6 @@ class BlockKernels:
     # each projection's LoRA B folded into its base GEMM along K, [X | sU] [W | B]^T (lora_linear_fwd's fold_b);
     # block() turns it on by default (H100: the same time, 131 MiB less peak memory; docs/design.md, session 12)
     fold_b: bool = False
-    # the Mosaic GPU kernels also return sU / sG for the backward's dB / dA (no second skinny pass over h or dY);
-    # off only to measure the session-12 kernels beside them (bench variant "custom_vjp cudnn mosaic-no-rank")
-    mosaic_rank: bool = True
-    # the Mosaic GPU dX kernel writes each projection's dX in fp32 (session 13's form; bench variant "custom_vjp
-    # cudnn mosaic-f32-dx"). Off by default: it writes dX in the operand dtype (bf16), as PEFT's bf16 autograd does,
-    # half the bytes of every dX written and read again by the sums (q + k + v, gate + up: those stay fp32). H100,
-    # one run: 4.501 ms / 892 MiB against 4.777 ms / 1011 MiB in fp32 (docs/design.md, session 14)
-    mosaic_dx_f32: bool = False
-    # the Mosaic GPU kernels' tiles and pipelining (None: lora_linear_mgpu.TileConfig's defaults)
-    mosaic_tiles: object = None
-    # attention="cudnn" with K and V repeated to the query heads: cuDNN's MHA kernels instead of its GQA ones (the
-    # repeat's VJP sums dK, dV over each group). Off by default: on the H100 the attention alone is faster with it
-    # (fwd+bwd 0.913 ms against 1.050), the block is not (4.620 ms / 924 MiB against 4.538 / 892: the repeats and
-    # the group sums are memory passes of their own; docs/design.md, session 14); bench variant "custom_vjp cudnn
-    # mosaic-kv-repeat"
-    cudnn_repeat_kv: bool = False
     # attention="cudnn" with a padding mask: cuDNN takes it as per-row key lengths (its padding-causal mask, no mask
     # tensor). block() sets it only for a concrete right-padded mask (jaxgrad.ops.attention.right_padded); otherwise,
     # and by default, the mask goes in as a boolean [B, 1, T, T] mask, right for any mask (block._cudnn_attention)
@@ -150,19 +134,15 @@ class BlockKernels:
         w = base_weight(w, h.dtype)  # an NF4 weight dequantised (a dense one as it is)
         a, b = a.astype(h.dtype), b.astype(h.dtype)  # fp32 master adapters: operands in the activation dtype,
         # as the dX kernel takes them and as PEFT's autocast does (a bf16 adapter is unchanged)
-        cfg = self._tiles()
-        if supported(h.reshape(-1, h.shape[-1]), w, a, b, cfg) is not None:
+        if supported(h.reshape(-1, h.shape[-1]), w, a, b) is not None:
             return None
-        if not self.mosaic_rank:
-            return lora_linear_fwd_mgpu(h, w, a, b, scale, cfg), None
-        return lora_linear_fwd_mgpu(h, w, a, b, scale, cfg, return_su=True)
+        return lora_linear_fwd_mgpu(h, w, a, b, scale, return_su=True)
 
     def lora_dx(self, dy, w, a, b, scale, keep_scale, dtype):
-        """``(dX, sG)``: the projection's whole ``dX = dY W + (s dY B) A`` (in ``dtype``; fp32 with ``mosaic_dx_f32``)
-        and ``sG = s dY B`` (rounded once
-        to ``dtype``, for the backward's ``dA``) by the Mosaic GPU kernel (``backend="mosaic"``; ``dy`` rounded once
-        to ``dtype`` first, as :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does), or ``None`` where the call
-        does not qualify."""
+        """``(dX, sG)``: the projection's whole ``dX = dY W + (s dY B) A`` in ``dtype`` (the sums of the projections'
+        ``dX`` stay fp32) and ``sG = s dY B`` (rounded once to ``dtype``, for the backward's ``dA``) by the Mosaic GPU
+        kernel (``backend="mosaic"``; ``dy`` rounded once to ``dtype`` first, as
+        :func:`jaxgrad.ops.lora_linear.lora_linear_bwd` does), or ``None`` where the call does not qualify."""
         if not self._mosaic(w, a, keep_scale):
             return None
         from jaxgrad.ops.lora_linear_mgpu import lora_linear_dx_mgpu, supported_dx
@@ -170,18 +150,9 @@ class BlockKernels:
         w = base_weight(w, dtype)  # an NF4 weight dequantised (a dense one as it is)
         d2 = dy.reshape(-1, dy.shape[-1]).astype(dtype)
         a, b = a.astype(dtype), b.astype(dtype)
-        out_dtype = jnp.promote_types(dtype, jnp.float32) if self.mosaic_dx_f32 else dtype
-        cfg = self._tiles()
-        if supported_dx(d2, w, a, b, cfg) is not None:
+        if supported_dx(d2, w, a, b) is not None:
             return None
-        if not self.mosaic_rank:
-            return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype, config=cfg), None
-        return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=out_dtype, config=cfg, return_sg=True)
-
-    def _tiles(self):
-        from jaxgrad.ops.lora_linear_mgpu import TileConfig
-
-        return TileConfig() if self.mosaic_tiles is None else self.mosaic_tiles
+        return lora_linear_dx_mgpu(d2, w, a, b, scale, out_dtype=dtype, return_sg=True)
 
     def swiglu(self, e, u):
         """``m = silu(e) u``: the Pallas kernel on the pallas backend (fp32 arithmetic, one rounding to e's dtype;

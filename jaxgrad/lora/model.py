@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.checks import check_key
-from jaxgrad.lora.block import _block_sdpa, block, block_reference
+from jaxgrad.lora.block import _block_reference, _block_sdpa, block, check_attention
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.ops.attention import check_attention_mask
 from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
@@ -203,13 +203,21 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
         JAX, ``jax.grad``).
       attention: ``"xla"`` (the block's own attention; the plain one for ``"reference"``), ``"cudnn"``
         (``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only; differentiated by ``jax.grad`` with
-        ``"reference"``), or ``"sdpa:<implementation>"``: the ``"cudnn"`` code path with another
-        ``dot_product_attention`` implementation (``"sdpa:xla"`` runs it on the CPU: tests, benchmarks; with
-        ``backend="xla"`` or ``"reference"`` only).
+        ``"reference"``) or ``"pallas"`` (the flash-attention kernels of :mod:`jaxgrad.ops.flash_attention`).
       dtype: activation dtype (default: the embedding's).
       train_base: with ``backend="reference"``, let gradients reach the projection weights (training a base
         model); the custom VJP treats them as frozen.
     """
+    check_attention(attention, "apply")
+    return _apply(params, lora, input_ids, cfg, lcfg, attention_mask=attention_mask, positions=positions,
+                  dropout_key=dropout_key, backend=backend, attention=attention, dtype=dtype, train_base=train_base)
+
+
+def _apply(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, positions=None, dropout_key=None,
+           backend="xla", attention="xla", dtype=None, train_base=False):
+    """:func:`apply` whose ``attention`` may also be ``"sdpa:<implementation>"``: the ``"cudnn"`` code path with
+    another ``jax.nn.dot_product_attention`` implementation (``"sdpa:xla"`` runs it on the CPU; private, for the
+    tests and the benchmarks; with ``backend="xla"`` or ``"reference"`` only)."""
     lora = {"layers": [{} for _ in range(cfg.num_hidden_layers)]} if lora is None else lora
     _check_model(params, lora, input_ids, cfg, lcfg, attention_mask)
     if attention.startswith("sdpa:") and backend not in ("xla", "reference"):
@@ -229,8 +237,8 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
         if backend == "reference":
             def fn(layer, layer_lora, h, key):
-                return block_reference(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, train_base,
-                                       attention=attention)
+                return _block_reference(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, train_base,
+                                        attention=attention)
         elif attention.startswith("sdpa:"):
             def fn(layer, layer_lora, h, key):
                 return _block_sdpa(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key,
@@ -301,6 +309,12 @@ def causal_lm_loss(logits, labels, n_items, ignore_index: int = IGNORE_INDEX):
 
 
 def loss_fn(lora, params, input_ids, labels, n_items, cfg: LlamaConfig, lcfg: LoraConfig | None, **apply_kwargs):
-    """The training objective of one micro-batch (LoRA first, for ``jax.grad``)."""
-    logits = apply(params, lora, input_ids, cfg, lcfg, **apply_kwargs)
-    return causal_lm_loss(logits, labels, n_items)
+    """The training objective of one micro-batch (LoRA first, for ``jax.grad``); ``apply_kwargs`` go to
+    :func:`apply`."""
+    return causal_lm_loss(apply(params, lora, input_ids, cfg, lcfg, **apply_kwargs), labels, n_items)
+
+
+def _loss_fn(lora, params, input_ids, labels, n_items, cfg, lcfg, **apply_kwargs):
+    """:func:`loss_fn` through :func:`_apply` (``attention="sdpa:<implementation>"``; private, tests and
+    benchmarks)."""
+    return causal_lm_loss(_apply(params, lora, input_ids, cfg, lcfg, **apply_kwargs), labels, n_items)

@@ -1,38 +1,38 @@
 r"""The LoRA projection's forward and input gradient as Mosaic GPU kernels on Hopper (``wgmma``).
 
 Forward :math:`Y = X W^\top + s (X A^\top) B^\top`; backward :math:`dX = dY\, W + (s\, dY B) A` -- the same kernel,
-``L R_1 + (s L R_2) R_3`` with ``L`` streamed once (``X`` or ``dY``), ``R_1`` the frozen weight (``W^T`` forward,
-``W`` backward), the rank-r ``R_2`` / ``R_3`` (``A^T`` / ``B^T`` forward, ``B`` / ``A`` backward, passed as their
-transposes: a 16-wide untransposed ``wgmma`` operand does not lower).
+``L R_1 + P R_3`` with ``L`` (``X`` or ``dY``) streamed through the K loop, ``R_1`` the frozen weight (``W^T``
+forward, ``W`` backward), ``P = s L R_2`` the rank-r product (``R_2`` = ``A^T`` forward, ``B`` backward) formed by
+XLA first, and ``R_3`` (``B^T`` forward, ``A`` backward, passed transposed: a 16-wide untransposed ``wgmma``
+operand does not lower).
 
 What it computes is :func:`jaxgrad.ops.lora_linear.lora_linear_fwd` with ``fold_b=True`` (the LoRA block's default),
 :math:`Y = [X \,|\, sU] [W \,|\, B]^\top` with :math:`U = X A^\top`: one fp32 accumulator per output tile, ``sU``
 rounded once to the operand dtype, one rounding of ``Y``. XLA runs that as three kernels (the skinny ``X A^T``, the
 concatenations ``[X | sU]`` and ``[W | B]``, written to HBM each step, and the GEMM). Here:
 
-* a warp-specialised pipeline (``plgpu.emit_pipeline_warp_specialized``, after JAX's ``hopper_matmul_mgpu.py``)
-  streams, for K-step ``k``, the tiles ``X[m, k]`` and ``W[n, k]`` into shared memory (TMA);
+* ``sU`` (``[M, r]``) comes from a skinny XLA GEMM beforehand (fp32 accumulation, rounded once to the operand
+  dtype), so the K loop is a plain GEMM: a warp-specialised pipeline (``plgpu.emit_pipeline_warp_specialized``,
+  after JAX's ``hopper_matmul_mgpu.py``) streams, for K-step ``k``, the tiles ``X[m, k]`` and ``W[n, k]`` into
+  shared memory (TMA);
 * each of the two compute warpgroups owns ``tile_m`` rows of the CTA's ``2 tile_m`` and issues one ``wgmma`` per
-  step, ``acc += X_k W_k^T`` (``tile_m x tile_n``, fp32 in registers);
-* ``sU`` (``[M, r]``) comes from a skinny XLA GEMM beforehand (``TileConfig.rank_from_xla``, the default since
-  session 14); the epilogue brings the warpgroup's rows of it and ``B[n, :]`` (``tile_n x r``) in by TMA (in flight
-  during the K loop), issues one more ``wgmma`` ``acc += (sU) B^T`` (contraction ``r``) and stores ``Y`` through
-  shared memory in ``epi_tile`` pieces.
+  step, ``acc += X_k W_k^T`` (``tile_m x tile_n``, fp32 in registers), and waits for it before the next;
+* the epilogue brings the warpgroup's rows of ``sU`` and ``B[n, :]`` (``tile_n x r``) in by TMA (in flight during
+  the K loop), issues one more ``wgmma`` ``acc += (sU) B^T`` (contraction ``r``) and stores ``Y`` through shared
+  memory in ``epi_tile`` pieces.
 
-``TileConfig(rank_from_xla=False)`` is session 12's form: ``A[:, k]`` streamed too and a second ``wgmma``
-``u += X_k A_k^T`` (``tile_m x r``) in every K step, from the same ``X`` tiles (``X`` read once); on the H100 that
-16-wide ``wgmma`` cost the kernel ~20% (docs/design.md, session 14), more than the extra read of ``X`` by XLA.
+Why ``sU`` from XLA rather than a second ``wgmma`` ``u += X_k A_k^T`` (``tile_m x r``) in every K step from the
+same ``X`` tiles (``X`` read once): that 16-wide ``wgmma`` beside the main one cost the kernel ~20%, more than the
+extra read of ``X`` by XLA (docs/design.md has the measurement).
 
-Registers per compute thread: the accumulator ``tile_m tile_n / 128`` fp32 (128 at 128 x 128; plus ``u``'s 16 in
-the in-loop form). Shared memory: ``max_concurrent_steps`` stages of ``(2 tile_m + tile_n) tile_k`` operands (3 x 48
-KiB at 128/128/64; 50 KiB with ``A``'s tile), ``sU`` and ``B`` tiles (16 KiB), two epilogue slots per warpgroup
-(32 KiB): 192 KiB of the 227.
+Registers per compute thread: the accumulator ``tile_m tile_n / 128`` fp32 (128 at 128 x 128). Shared memory:
+``max_concurrent_steps`` stages of ``(2 tile_m + tile_n) tile_k`` operands (3 x 48 KiB at 128/128/64), ``sU`` and
+``B`` tiles (16 KiB), two epilogue slots per warpgroup (32 KiB): 192 KiB of the 227.
 
-The backward kernel writes ``dX`` in fp32 by default here (the LoRA block asks for the operand dtype since session
-14, its sums stay fp32); ``s G`` (``G = dY B``) is rounded once to the operand dtype before ``G A``, as ``sU`` is
-forward. ``dA`` and ``dB`` stay on XLA; each kernel can also return its rank-r product as rounded (``sU`` forward,
-``sG`` for dX; ``[M, r]``: XLA's, or in the in-loop form one TMA store per row block from the CTAs of the first
-column tile), so that ``dB = dY^T (sU)`` and ``dA = (sG)^T X`` need no second pass over ``X`` or ``dY``.
+The backward kernel writes ``dX`` in fp32 by default here (the LoRA block asks for the operand dtype: its sums stay
+fp32); ``s G`` (``G = dY B``) is rounded once to the operand dtype before ``G A``, as ``sU`` is forward. ``dA`` and
+``dB`` stay on XLA; each kernel can also return its rank-r product as rounded (``sU`` forward, ``sG`` for dX,
+``[M, r]``), so that ``dB = dY^T (sU)`` and ``dA = (sG)^T X`` need no second pass over ``X`` or ``dY``.
 
 Scope: bf16 or f16 operands (``wgmma`` on 16-bit types; f32 would be TF32), no dropout mask. The kernel itself
 takes shapes divisible by its tiles (rows ``% 2 tile_m``, output columns ``% tile_n``, contraction ``% tile_k``,
@@ -63,27 +63,10 @@ class TileConfig:
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
-    max_concurrent_steps: int = 3  # 3 x 50 KiB of operand stages + 48 KiB of epilogue: under the 227 KiB
+    max_concurrent_steps: int = 3  # 3 x 48 KiB of operand stages + 48 KiB of epilogue and rank-r tiles: < 227 KiB
     epi_tile_m: int = 64
     epi_tile_n: int = 64
     grid_tile_width: int = 8  # planar snake over the output tiles: L2 reuse of W and X
-    # K steps whose wgmma stay in flight while the next step's are issued (0 or 1): with 1, each step waits only for
-    # the previous step's products and its operand stage is released one step later (the pipeline's delay_release);
-    # with 0, every step waits for its own products before the next is issued
-    wgmma_in_flight: int = 0
-    # the rank-r product (sU forward, sG for dX) computed by XLA first (a skinny GEMM, one more read of L) and read
-    # by the epilogue from HBM: the K loop is then a plain GEMM, one wgmma per step. The default since session 14:
-    # on the H100 the r-wide wgmma beside the main one in every K step cost the kernels ~20% (the LoRA block's 14
-    # kernels 2.544 -> 2.067 ms, the extra skinny GEMMs +0.154 ms; block 4.496 -> 4.137 ms). False: U / G from the
-    # same L tiles in the K loop (L read once; session 12's kernel)
-    rank_from_xla: bool = True
-
-    def __post_init__(self):
-        if self.wgmma_in_flight not in (0, 1):
-            raise ValueError(f"TileConfig: 'wgmma_in_flight' must be 0 or 1, got {self.wgmma_in_flight!r}")
-        if self.wgmma_in_flight >= self.max_concurrent_steps:
-            raise ValueError(f"TileConfig: 'max_concurrent_steps' ({self.max_concurrent_steps}) must exceed "
-                             f"'wgmma_in_flight' ({self.wgmma_in_flight})")
 
 
 def _problem(x, w, a, b):
@@ -130,22 +113,19 @@ def supported_dx(dy, w, a, b, config: TileConfig = TileConfig()) -> str | None:
     return _why_not((dy, w, a, b))
 
 
-def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: float, cfg: TileConfig, t1: bool,
-            rank_in: bool = False):
-    """``Y = L R1 + (s (L R2)) R3`` (module doc), ``L`` [M, Kc]; ``R1`` [Kc, N] (stored transposed, [N, Kc], when
-    ``t1``), ``R2`` and ``R3`` stored transposed, ``R2^T`` [r, Kc] and ``R3^T`` [N, r]. Forward: ``R1^T = W``,
-    ``R2^T = A``, ``R3^T = B``; dX: ``R1 = W``, ``R2^T = B^T``, ``R3^T = A^T``. ``rank_gmem``: optionally one more
-    output, ``s (L R2)`` [M, r] as rounded for the epilogue (``sU`` forward, ``sG`` for dX), written by the CTAs of
-    the first output column tile only (every column tile of a row block computes the same one). ``rank_in``: the
-    third operand is that product itself, ``s (L R2)`` [M, r], computed beforehand (``TileConfig.rank_from_xla``):
-    the K loop streams ``L`` and ``R1`` only and the epilogue brings the CTA's rows of it in by TMA."""
+def _kernel(lhs_gmem, r1_gmem, rank_gmem, r3t_gmem, y_gmem, *, cfg: TileConfig, t1: bool):
+    """``Y = L R1 + P R3`` (module doc), ``L`` [M, Kc]; ``R1`` [Kc, N] (stored transposed, [N, Kc], when ``t1``);
+    ``P = s (L R2)`` [M, r], the rank-r product computed beforehand and rounded to the operand dtype; ``R3`` stored
+    transposed, ``R3^T`` [N, r]. Forward: ``R1^T = W``, ``P = sU``, ``R3^T = B``; dX: ``R1 = W``, ``P = sG``,
+    ``R3^T = A^T``. The K loop streams ``L`` and ``R1`` only; the epilogue brings the warpgroup's rows of ``P`` and
+    the CTA's tile of ``R3^T`` in by TMA."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     dtype, out_dtype = lhs_gmem.dtype, y_gmem.dtype
     m, k = lhs_gmem.shape
     n = y_gmem.shape[1]
-    r = r2t_gmem.shape[1] if rank_in else r2t_gmem.shape[0]
+    r = rank_gmem.shape[1]
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
     epi_m = cfg.epi_tile_m
     epi_n = cfg.epi_tile_n * 2 // jnp.dtype(out_dtype).itemsize  # the same bytes per epilogue row: 64 bf16, 32 f32
@@ -158,8 +138,7 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
         return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
 
     def spec(shape, index):
-        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM,
-                               delay_release=cfg.wgmma_in_flight)
+        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
 
     r1_spec = spec((tile_n, tile_k), lambda kk: (0, kk)) if t1 else spec((tile_k, tile_n), lambda kk: (kk, 0))
 
@@ -168,8 +147,7 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), r1_spec]
-            + ([] if rank_in else [spec((r, tile_k), lambda kk: (0, kk))]),
+            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), r1_spec],
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps,
@@ -181,16 +159,15 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, r1_gmem,
-                                                                 *(() if rank_in else (r2t_gmem,))),
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, r1_gmem),
         y_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=smem_transforms(epi_n, out_dtype)),
-        su_smem=plgpu.SMEM((2, tile_m, r), dtype, transforms=smem_transforms(r)),
+        p_smem=plgpu.SMEM((2, tile_m, r), dtype, transforms=smem_transforms(r)),
         r3_smem=plgpu.SMEM((2, tile_n, r), dtype, transforms=smem_transforms(r)),
         r3_barrier=plgpu.Barrier(num_barriers=2),
-        su_barrier=plgpu.Barrier(num_barriers=2),
+        p_barrier=plgpu.Barrier(num_barriers=2),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, y_smem, su_smem, r3_smem, r3_barrier, su_barrier):
+    def _scope(pipeline_allocs, y_smem, p_smem, r3_smem, r3_barrier, p_barrier):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
@@ -202,34 +179,18 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
             wg_m_slice = pl.ds(wg * tile_m, tile_m)
 
             def compute_context(eval_pipeline):
-                # R3's tile for the epilogue, in flight while the K loop runs (the previous tile's wgmma on r3_smem
-                # was waited for before its epilogue ended)
+                # R3's tile and this warpgroup's rows of P for the epilogue, in flight while the K loop runs (the
+                # previous tile's wgmma on them was waited for before its epilogue ended)
                 plgpu.copy_gmem_to_smem(r3t_gmem.at[n_slice], r3_smem.at[wg], r3_barrier.at[wg])
-                if rank_in:  # this warpgroup's rows of the precomputed s (L R2), in flight during the K loop
-                    plgpu.copy_gmem_to_smem(r2t_gmem.at[cta_m_slice].at[wg_m_slice], su_smem.at[wg],
-                                            su_barrier.at[wg])
+                plgpu.copy_gmem_to_smem(rank_gmem.at[cta_m_slice].at[wg_m_slice], p_smem.at[wg], p_barrier.at[wg])
 
-                accs = dict(acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-                if not rank_in:
-                    accs["u_ref"] = plgpu.ACC((tile_m, r), jnp.float32)
-
-                @functools.partial(pl.run_scoped, **accs)
-                def _acc_scope(acc_ref, u_ref=None):
-                    eval_pipeline((acc_ref, u_ref))
-                    if cfg.wgmma_in_flight:
-                        plgpu.wgmma_wait(0)  # the last step's products, before U and Y are read
-                    if rank_in:
-                        plgpu.barrier_wait(su_barrier.at[wg])
-                    else:
-                        # Y += (s U) R3: s U rounded once to the operand dtype (lora_linear_fwd's fold_b)
-                        su_smem[wg] = (u_ref[...] * scale).astype(dtype)
-                        plgpu.commit_smem()
-                    if rank_gmem:  # the rank-r side output (sU or sG) for dA / dB, once per row block
-                        @pl.when(n_idx == 0)
-                        def _store_rank():
-                            plgpu.copy_smem_to_gmem(su_smem.at[wg], rank_gmem[0].at[cta_m_slice].at[wg_m_slice])
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    # Y += P R3 (lora_linear_fwd's fold_b: [L | P] [R1 | R3] in one fp32 accumulator)
+                    plgpu.barrier_wait(p_barrier.at[wg])
                     plgpu.barrier_wait(r3_barrier.at[wg])
-                    plgpu.wgmma(acc_ref, su_smem.at[wg], r3_smem.at[wg].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], r3_smem.at[wg].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     y = acc_ref[...].astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -243,21 +204,13 @@ def _kernel(lhs_gmem, r1_gmem, r2t_gmem, r3t_gmem, y_gmem, *rank_gmem, scale: fl
                             plgpu.copy_smem_to_gmem(
                                 y_smem.at[wg, slot], y_gmem.at[cta_m_slice, n_slice].at[wg_m_slice].at[em, en])
 
-            def mma_body(_, l_smem, r1_smem, *r2_smem_and_carry):
-                *r2_smem, carry = r2_smem_and_carry
-                acc_ref, u_ref = carry
-                ls = l_smem.at[wg_m_slice]
-                plgpu.wgmma(acc_ref, ls, r1_smem.transpose((1, 0)) if t1 else r1_smem)  # L R1
-                if not rank_in:
-                    plgpu.wgmma(u_ref, ls, r2_smem[0].transpose((1, 0)))  # U = L R2, from the same L tile
-                # two groups per step: leaving 2 pending keeps this step's in flight (the previous step's are done,
-                # so its stage, released one step late, is free)
-                plgpu.wgmma_wait((1 if rank_in else 2) * cfg.wgmma_in_flight)
-                return carry
+            def mma_body(_, l_smem, r1_smem, acc_ref):
+                plgpu.wgmma(acc_ref, l_smem.at[wg_m_slice], r1_smem.transpose((1, 0)) if t1 else r1_smem)  # L R1
+                plgpu.wgmma_wait(0)  # this step's product before the next step is issued
+                return acc_ref
 
             r1_tile = r1_gmem.at[n_slice, :] if t1 else r1_gmem.at[:, n_slice]
-            pipeline(mma_body, compute_context)(lhs_gmem.at[cta_m_slice, :], r1_tile,
-                                                *(() if rank_in else (r2t_gmem,)), allocations=pipeline_allocs)
+            pipeline(mma_body, compute_context)(lhs_gmem.at[cta_m_slice, :], r1_tile, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -271,36 +224,29 @@ def _num_sms() -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "config", "num_sms", "mode", "out_dtype", "emit_rank"))
 def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, emit_rank=False):
     """``mode="fwd"``: ``X W^T + s (X A^T) B^T`` (lhs = X); ``mode="dx"``: ``dY W + s (dY B) A`` (lhs = dY).
-    ``emit_rank``: also return the rank-r product as the epilogue used it, ``s X A^T`` / ``s dY B`` [M, r] in the
-    operand dtype."""
+    ``emit_rank``: also return the rank-r product the epilogue used, ``s X A^T`` / ``s dY B`` [M, r] in the operand
+    dtype."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     fwd = mode == "fwd"
     n = w.shape[0] if fwd else w.shape[1]
-    # dX: W as stored ([N, K] is R1 = [Kc, N_out] untransposed); the rank-r operands go in transposed (B^T [r, N],
-    # A^T [K, r]: tiny copies), since a 16-wide untransposed wgmma operand does not lower (layout inference)
-    operands = (w, a, b) if fwd else (w, b.T, a.T)
-    out_type = jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype)
-    rank = None
-    if config.rank_from_xla:
-        # s (L R2) by XLA, fp32 accumulation, rounded once to the operand dtype: the kernel's own arithmetic for it
-        r2 = operands[1]  # R2^T [r, Kc]
-        rank = (scale * jax.lax.dot_general(lhs, r2, (((1,), (1,)), ((), ())),
-                                            preferred_element_type=jnp.float32)).astype(lhs.dtype)
-        operands = (operands[0], rank, operands[2])
-    elif emit_rank:
-        out_type = (out_type, jax.ShapeDtypeStruct((lhs.shape[0], a.shape[0]), lhs.dtype))
+    # R2^T [r, Kc] (A forward, B^T for dX) and R3^T (B [N, r] forward, A^T [K, r] for dX: a 16-wide untransposed
+    # wgmma operand does not lower, so it goes in transposed; tiny copies)
+    r2t, r3t = (a, b) if fwd else (b.T, a.T)
+    # P = s (L R2) by XLA, fp32 accumulation, rounded once to the operand dtype (lora_linear_fwd's sU)
+    rank = (scale * lax.dot_general(lhs, r2t, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)).astype(lhs.dtype)
     f = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, cfg=config, t1=fwd, rank_in=config.rank_from_xla),
-        out_type=out_type,
+        functools.partial(_kernel, cfg=config, t1=fwd),
+        out_type=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype),
         grid=(num_sms,),
         grid_names=("cluster_grid",),
         num_threads=3,  # two compute warpgroups and the memory warpgroup
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    out = f(lhs, *operands)
-    return (out, rank) if rank is not None and emit_rank else out
+    out = f(lhs, w, rank, r3t)
+    return (out, rank) if emit_rank else out
 
 
 def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConfig(), num_sms: int | None = None,
@@ -315,7 +261,7 @@ def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConf
       num_sms: CTAs of the persistent grid (default: the device's multiprocessor count).
       return_su: also return ``sU = s X A^T`` ``[..., r]`` as the epilogue used it (rounded once to the operand
         dtype): the backward's ``dB = dY^T (sU)`` then needs no second pass over ``X`` (the LoRA block's mosaic
-        backend; XLA's path shares its forward ``U`` with the backward instead).
+        backend).
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -335,13 +281,13 @@ def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConf
 def lora_linear_dx_mgpu(dy, w, a, b, scale: float, out_dtype=jnp.float32, config: TileConfig = TileConfig(),
                         num_sms: int | None = None, *, return_sg: bool = False):
     r"""``dX = dY W + (s dY B) A`` in one Mosaic GPU kernel: the backward's input gradient of the LoRA projection,
-    the forward kernel's loop with ``dY`` for ``X`` and the stored operands read untransposed (``G = dY B`` is the
-    r-wide accumulator from the same ``dY`` tiles; ``s G`` rounded once to the operand dtype, like ``sU`` forward).
+    the forward kernel's loop with ``dY`` for ``X`` and ``W`` read untransposed (``sG = s dY B`` by XLA first,
+    rounded once to the operand dtype, like ``sU`` forward).
 
     Args:
       dy: ``[..., N]`` output cotangent (16-bit); w: ``[N, K]``; a: ``[r, K]``; b: ``[N, r]``, one dtype.
       scale: ``s`` (a Python float).
-      out_dtype: of ``dX`` (fp32 by default: the LoRA block keeps its gradient sums in fp32).
+      out_dtype: of ``dX`` (fp32 by default; the LoRA block asks for the operand dtype, its sums stay fp32).
       return_sg: also return ``sG = s dY B`` ``[..., r]`` as the epilogue used it (rounded once to the operand
         dtype): the backward's ``dA = (sG)^T X`` then needs no second pass over ``dY``.
     """
