@@ -136,7 +136,7 @@ def test_nf4_base_is_never_dequantised_in_the_pallas_graph():
 
 
 def test_pallas_block_runs_swiglu_and_rmsnorm_as_kernels():
-    # the forward and backward jaxprs name the Pallas kernels: SwiGLU (session 14) and both RMSNorms, each way
+    # the forward and backward jaxprs name the Pallas kernels: SwiGLU and both RMSNorms, each way
     params, lora, x = make_block(5, jnp.bfloat16)
     f = lambda ad, x: block(params, ad, x, CFG, LCFG, backend="pallas", interpret=True)  # noqa: E731
     text = str(jax.make_jaxpr(lambda ad, x, c: jax.vjp(f, ad, x)[1](c))(lora, x, x))

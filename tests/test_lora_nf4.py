@@ -1,4 +1,5 @@
-"""NF4 (``jaxgrad.ops.nf4``, re-exported as ``jaxgrad.lora.nf4``): bitsandbytes' own bytes, an independent NumPy restatement, and properties.
+"""NF4 (``jaxgrad.ops.nf4``, re-exported as ``jaxgrad.lora.nf4``): bitsandbytes' own bytes, an independent
+NumPy restatement, and properties.
 
 The fixture ``tests/fixtures/nf4_bnb_fixture.npz`` was written by ``tests/fixtures/make_nf4_bnb_fixture.py`` with
 bitsandbytes 0.50.2 (torch 2.11, CPU and CUDA of an H200 machine); see ``docs/lora_io.md``.

@@ -23,10 +23,9 @@ Backward (:func:`block`'s VJP, every term; :mod:`jaxgrad.ops` has each one's equ
 7. q, k, v: :math:`\bar h_1` = the sum of the three, and their A/B gradients;
 8. input RMSNorm: :math:`\bar x_1, \bar w_\mathrm{in}`; residual 1: :math:`\bar x = \bar x_2 + \bar x_1`.
 
-**Grouped projections** (:mod:`jaxgrad.lora.grouped`, issue #13; ``group_projections=True``, off by default: on the
-H100 5.81 ms against 5.88 ms at +459 MiB of peak memory, session 11). The projections that share an input run as one
-GEMM each, with the LoRA ``A`` matrices folded in as extra rows of the frozen weight (``U = h A^T``, fp32
-accumulation; f64 for f64):
+**Grouped projections** (:mod:`jaxgrad.lora.grouped`; ``group_projections=True``, off by default: on the H100 the same
+time at +459 MiB of peak memory, docs/design.md). The projections that share an input run as one GEMM each, with the
+LoRA ``A`` matrices folded in as extra rows of the frozen weight (``U = h A^T``, fp32 accumulation; f64 for f64):
 
 .. math::
 
@@ -50,7 +49,7 @@ accumulation). Why: 4 base GEMMs in the forward instead of 7 plus 7 skinny :math
 7 + 7 (:math:`\bar Y W`, :math:`G A`) in the backward: fewer launches, each input read once per group instead of
 once per projection and again for its ``U``, and the skinny GEMMs that read or write a whole ``[N, in]``
 activation (:math:`h A^\top`, :math:`G A`) disappear into the base ones (they are among the 32 LoRA GEMMs, 1.07 ms
-of the 7.05 ms H100 step in ``benchmarks/results/lora-profile-nvidia-h100-80gb-hbm3-20261125-085340.txt``); the
+of the 7.05 ms H100 step in ``benchmarks/results/lora-profile-nvidia-h100-80gb-hbm3-bf16-20261125-085340.txt``); the
 rank-r products :math:`U B^\top`, :math:`G`, :math:`\bar A`, :math:`\bar B` stay per projection. The recomputed
 forward's ``U`` serves :math:`\bar B` (down_proj's forward is not recomputed: its ``U`` is formed again).
 Grouping needs dense weights and one input for all: with LoRA dropout (a mask per projection on the LoRA input)
@@ -68,9 +67,9 @@ attention half from ``x``. When the forward and the backward are one XLA program
 shares each recomputation with the forward's identical one (common subexpressions), so the recompute costs no time
 but the forward's activations stay alive until their backward use. ``low_memory=True`` ties the attention half's
 input to :math:`\bar x_2` with an ``optimization_barrier``: it is recomputed for real after the MLP's backward, so
-the two halves' activations are never alive together. Measured on the H100 at the benchmark shape, one run
-(session 11, ``benchmarks/results/lora-nvidia-h100-80gb-hbm3-20261125-123552.*``): peak 1015 MiB and 6.57 ms with
-it, 1150 MiB and 5.95 ms without (PEFT 1074 MiB). At the benchmark shape (batch 4, seq 2048,
+the two halves' activations are never alive together. Measured on the H100 at the benchmark shape, one run of the
+XLA backend (``benchmarks/results/lora-nvidia-h100-80gb-hbm3-bf16-20261125-123552.txt``): peak 1015 MiB and
+6.57 ms with it, 1150 MiB and 5.95 ms without (PEFT 1074 MiB). At the benchmark shape (batch 4, seq 2048,
 hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) the saved tensors are
 
 * ``x``: 4 x 2048 x 2048 x 2 B = 33,554,432 B (32 MiB; the block input, saved as a residual);
@@ -81,15 +80,15 @@ hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16)
 34,144,256 B (32.6 MiB) beyond the input, 67,698,688 B (64.6 MiB) with it. ``jax.grad`` of the plain block keeps,
 among others, the fp32 ``[4, 16, 2048, 2048]`` probabilities alone: 1 GiB.
 
-``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates
-it); ``"pallas"`` is this VJP with both RMSNorms, SwiGLU and the NF4 base products as Pallas kernels
-(:mod:`jaxgrad.lora.kernels`; the same saved statistics); ``"mosaic"`` is this VJP with each dense projection's
-forward (and its recompute) as one Mosaic GPU kernel on Hopper (:mod:`jaxgrad.ops.lora_linear_mgpu`). ``attention="cudnn"`` runs the attention core through
-``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU only; its backward is cuDNN's, through ``jax.vjp``
-taken once in the backward's recompute, so cuDNN's forward runs once there; nothing is saved for it in the
-forward). ``attention="pallas"`` runs the attention core as the flash-attention Pallas kernels of
-:mod:`jaxgrad.ops.flash_attention` (the same equations and saved ``lse`` as ``"xla"``, no ``T x T`` matrix; its
-forward kernel runs again in the backward's recompute for ``O``).
+``backend="xla"`` is this VJP (default); ``"reference"`` is :func:`block_reference` (``jax.grad`` differentiates it);
+``"pallas"`` is this VJP with both RMSNorms, SwiGLU and the NF4 base products as Pallas kernels
+(:mod:`jaxgrad.lora.kernels`; the same saved statistics); ``"mosaic"`` is this VJP with each dense projection's forward
+(and its recompute) and ``dX`` as Mosaic GPU kernels on Hopper (:mod:`jaxgrad.ops.lora_linear_mgpu`).
+``attention="cudnn"`` runs the attention core through ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU
+only; its backward is cuDNN's, through ``jax.vjp`` taken once in the backward's recompute, so cuDNN's forward runs once
+there; nothing is saved for it in the forward). ``attention="pallas"`` runs the attention core as the flash-attention
+Pallas kernels of :mod:`jaxgrad.ops.flash_attention` (the same equations and saved ``lse`` as ``"xla"``, no ``T x T``
+matrix; its forward kernel runs again in the backward's recompute for ``O``).
 
 **Padding masks.** ``attention_mask`` is HF's ``[batch, seq]`` mask (1 = token, 0 = padding; it masks keys), any
 pattern: right or left padding, gaps, sequences of padding only. Every backend and attention implementation gives
@@ -413,12 +412,11 @@ def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, ls
         o, lse_new = flash_attention_fwd(q, k, v, attention_mask, interpret=kern.interpret)
         lse = lse_new if lse is None else lse
     elif attn != "xla":
-        # one cuDNN forward: its pullback (cuDNN's saved output and softmax statistics) serves the backward, which
-        # used to run the forward again inside jax.vjp (session 10's profile: 0.31 ms of 7.05). It is cuDNN's
-        # training-mode forward (return_residual: O and the softmax statistics) in the forward too: the forward's
-        # pullback is unused, and without return_residual JAX then ran the inference-mode call there, a different
-        # custom call from the backward's, so XLA could not merge the two (two cuDNN forwards per step, 0.15 ms
-        # each in session 11's profile); identical calls are merged (CSE) when both are in one program
+        # one cuDNN forward per step: its pullback (cuDNN's saved output and softmax statistics) serves the
+        # backward, which does not run the forward again. It is cuDNN's training-mode forward (return_residual: O
+        # and the softmax statistics) in the forward too, where the pullback is unused: without return_residual JAX
+        # would run the inference-mode call there, a custom call other than the recompute's, and XLA could not
+        # merge the two; identical calls are merged (CSE) when both are in one program
         (o, cudnn_lse), pull = jax.vjp(
             lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True, kern.cudnn_key_lengths),
             q, k, v)
@@ -574,17 +572,18 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         (``jax.nn.dot_product_attention``, GPU only; with ``"reference"``, differentiated by ``jax.grad``; a mask
         as key lengths when concrete and right-padded, else as a boolean mask) or
         ``"pallas"`` (:mod:`jaxgrad.ops.flash_attention`'s kernels, any backend; interpret mode off-GPU).
-      interpret: ``backend="pallas"`` or ``attention="pallas"`` only: Pallas interpret mode (``None``: on unless JAX's default backend is a
-        GPU, as everywhere in :mod:`jaxgrad.pallas_backend`; ``True`` forces it, e.g. on a GPU machine's CPU).
+      interpret: ``backend="pallas"`` or ``attention="pallas"`` only: Pallas interpret mode (``None``: on unless
+        JAX's default backend is a GPU, as everywhere in :mod:`jaxgrad.pallas_backend`; ``True`` forces it, e.g. on a
+        GPU machine's CPU).
       group_projections: the custom VJP runs the projections that share an input as one GEMM each with the LoRA
-        ``A`` rows folded in (module docstring, "Grouped projections"); off by default (measured 1% faster at
-        +459 MiB of peak memory on the H100).
+        ``A`` rows folded in (module docstring, "Grouped projections"); off by default (on the H100 the same time at
+        +459 MiB of peak memory: docs/design.md).
       low_memory: the backward recomputes the attention half for real after the MLP's backward instead of sharing
         the forward's (module docstring, "What the VJP saves"): less peak memory, more time.
       fold_lora_b: each projection's forward as one GEMM ``[h | sU] [W | B]^T``
         (:func:`jaxgrad.ops.lora_linear.lora_linear_fwd`'s ``fold_b``; ``sU`` rounded once to the operand dtype);
-        on by default: on the H100 the same time as the separate ``U B^T`` product (5.92 against 5.88 ms) at 131 MiB
-        less peak memory (1019 MiB, below PEFT's 1074; docs/design.md, session 12).
+        on by default: on the H100 the same time as the separate ``U B^T`` product at 131 MiB less peak memory
+        (docs/design.md).
     """
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)

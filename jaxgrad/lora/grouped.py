@@ -1,4 +1,4 @@
-r"""Grouped projections of the LoRA block (issue #13): projections that read the same input run as one GEMM, the
+r"""Grouped projections of the LoRA block: projections that read the same input run as one GEMM, the
 LoRA ``A`` matrices folded in as extra rows of the frozen weight.
 
 For a group of projections :math:`i = 1..n` on one input :math:`X` ``[N, in]`` (q, k, v on :math:`h_1`; gate, up on
@@ -31,7 +31,7 @@ forms :math:`U = X A^\top` again.
 Why: per projection, the LoRA layer ran :math:`X A^\top` (a GEMM with ``r`` output columns that reads all of
 ``X``) and :math:`G A` (``r`` contraction, writing an ``[N, in]`` product) beside the base GEMM, and a pass adding
 the two ``[N, in]`` products; the H100 profile of the block
-(``benchmarks/results/lora-profile-nvidia-h100-80gb-hbm3-20261125-085340.txt``) has 32 LoRA GEMMs at 1.07 ms of
+(``benchmarks/results/lora-profile-nvidia-h100-80gb-hbm3-bf16-20261125-085340.txt``) has 32 LoRA GEMMs at 1.07 ms of
 a 7.05 ms step. Grouped, those skinny GEMMs disappear into the base GEMMs (``r`` extra rows on a weight of 2,048 to
 11,264 rows at the benchmark shape), each input is read once per group instead of once per projection and again
 for its ``U``, there are fewer launches (forward 4 base GEMMs instead of 7 + 7 skinny), and the :math:`\bar X`

@@ -1,7 +1,7 @@
 r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.block` run as Pallas kernels.
 
 ``backend="xla"`` (the default): everything in ``jnp``, the block's hand-written VJP as before.
-``backend="pallas"`` (issue #13, step 1), per block (``r`` the fp32 row statistic, f64 for f64):
+``backend="pallas"``, per block (``r`` the fp32 row statistic, f64 for f64):
 
 * **Both RMSNorms.** Forward (and its recompute in the backward): ``rms_norm_fwd_pallas`` writes
   :math:`h = w \odot (x r)` and :math:`r = (\overline{x^2} + \varepsilon)^{-1/2}`; ``r`` is what the block saves,
@@ -14,12 +14,12 @@ r"""The LoRA block's kernel switch: which pieces of :func:`jaxgrad.lora.block.bl
   weight element is rounded to the activation dtype, as ``base_weight(w, dtype)`` does on the XLA path, and both
   products come back unrounded in fp32 so that :func:`lora_linear_fwd` / :func:`lora_linear_bwd` add the LoRA
   term and round once, as on the XLA path. The frozen base gets no gradient (as always).
-* **SwiGLU** (session 14): the forward ``m = silu(e) u`` and the backward ``de = dm u silu'(e)``, ``du = dm
+* **SwiGLU**: the forward ``m = silu(e) u`` and the backward ``de = dm u silu'(e)``, ``du = dm
   silu(e)`` as the elementwise Pallas kernels of :mod:`jaxgrad.ops.swiglu` (fp32 arithmetic; ``m`` and ``de``, ``du``
   rounded once to the activation dtype; the fp32 ``dm`` read unrounded).
 * **Everything else** (attention, RoPE, the LoRA rank-r matmuls, dense base weights) stays on XLA.
 
-``backend="mosaic"`` (issue #13, Hopper): each projection's forward with an adapter (a dense weight, or an NF4 one
+``backend="mosaic"`` (Hopper): each projection's forward with an adapter (a dense weight, or an NF4 one
 dequantised to the activation dtype by XLA first) -- in the forward and in the backward's recompute -- is
 :func:`jaxgrad.ops.lora_linear_mgpu.lora_linear_fwd_mgpu`, one Mosaic GPU kernel computing ``X W^T + s (X A^T) B^T``
 with ``fold_lora_b``'s arithmetic (``sU`` rounded once to the operand dtype, one rounding of ``Y``), where the call
@@ -82,13 +82,13 @@ class BlockKernels:
     backend: str = "xla"  # "xla", "pallas" or "mosaic"
     interpret: bool | None = None
     # projections sharing an input as one GEMM with the LoRA A rows folded in (jaxgrad.lora.grouped); off by
-    # default: on the H100 5.81 ms against 5.88 ms at +459 MiB of peak memory (docs/design.md, session 11)
+    # default: on the H100 the same time at +459 MiB of peak memory (docs/design.md)
     group: bool = False
     # the backward recomputes the attention half for real, after the MLP backward (an optimization_barrier): less
     # peak memory, more time (block.py's module doc, "What the VJP saves"); off by default
     low_memory: bool = False
     # each projection's LoRA B folded into its base GEMM along K, [X | sU] [W | B]^T (lora_linear_fwd's fold_b);
-    # block() turns it on by default (H100: the same time, 131 MiB less peak memory; docs/design.md, session 12)
+    # block() turns it on by default (H100: the same time, 131 MiB less peak memory; docs/design.md)
     fold_b: bool = False
     # attention="cudnn" with a padding mask: cuDNN takes it as per-row key lengths (its padding-causal mask, no mask
     # tensor). block() sets it only for a concrete right-padded mask (jaxgrad.ops.attention.right_padded); otherwise,

@@ -624,7 +624,8 @@ def _merge_one(w: Any, a: Any, b: Any, scale: float, sign: float, where: str) ->
     """``W + sign * ((B @ A) * scale)`` in at least float32, finite-checked, cast back to W's dtype."""
     out_dtype = jnp.dtype(w.dtype)
     w_full = nf4_dequantize(w, jnp.float32) if isinstance(w, NF4Weight) else jnp.asarray(w)
-    merged, finite = _merge_dense(w_full, jnp.asarray(a), jnp.asarray(b), signed_scale=sign * scale, out_dtype=out_dtype)
+    merged, finite = _merge_dense(w_full, jnp.asarray(a), jnp.asarray(b), signed_scale=sign * scale,
+                                  out_dtype=out_dtype)
     if not bool(finite):
         raise FloatingPointError(f"{where}: merging the adapter gives non-finite values (inf/nan); weights untouched")
     return merged

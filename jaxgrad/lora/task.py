@@ -10,9 +10,10 @@ positions drawn by ``numpy.random.default_rng([seed, epoch, index])``: a determi
 
 Modes (``mode``):
 
-* ``"full"``: a base model trained from scratch (or on from the checkpoint ``base``); every parameter is trained. The block's custom VJP treats the
-  projection weights as frozen (it returns LoRA and norm gradients and dx only), so both grad paths differentiate
-  the reference block (:func:`jaxgrad.lora.model.apply` with ``backend="reference", train_base=True``).
+* ``"full"``: a base model trained from scratch (or on from the checkpoint ``base``); every parameter is trained. The
+  block's custom VJP treats the projection weights as frozen (it returns LoRA and norm gradients and dx only), so both
+  grad paths differentiate the reference block (:func:`jaxgrad.lora.model.apply` with ``backend="reference",
+  train_base=True``).
 * ``"lora"``: params ``{"base", "lora"}``; the base (a checkpoint directory, ``base``, or a seeded random init)
   is frozen by the engine's ``trainable`` mask, only the adapters are trained.
 * ``"qlora"``: as ``"lora"`` with the 7 projection weights of every layer in NF4
