@@ -58,8 +58,8 @@ def test_custom_vjp_and_reference_give_the_same_loss_curve(runs):
 def test_over_100_f32_steps_the_paths_drift_no_more_than_one_path_from_a_one_ulp_nudge_of_itself():
     # The "1e-5 per step over 100 f32 steps" sits below the training's own noise floor: the reference path
     # against itself with every initial LoRA A entry moved one ulp drifts ~4e-4 (python -m jaxgrad.bench
-    # lora_curve_drift, benchmarks/results/lora-curve-drift-cpu-default-20261123-164921.json). The paths must drift no further than
-    # rounding does.
+    # lora_curve_drift, benchmarks/results/lora-curve-drift-cpu-default-20261123-164921.json). The paths must drift
+    # no further than rounding does.
     from jaxgrad.bench.lora_curve_drift import _nudge_a
 
     task = make_task(FIT)
