@@ -87,12 +87,18 @@ def test_the_custom_vjp_step_equals_the_jax_grad_step_in_float64_and_trains():
     assert moved > 0.9 * sum(x.size for x in jax.tree.leaves(lora0))  # every factor has a gradient
 
 
-def test_apply_refuses_sdpa_with_a_kernel_backend():
+def test_the_cpu_stand_in_for_cudnn_is_private_and_refused_with_a_kernel_backend():
+    # apply takes attention 'xla', 'cudnn' or 'pallas' only; the suite reaches "sdpa:xla" (the cuDNN code path with
+    # XLA's implementation, on a CPU) through the private _apply, which refuses it with a kernel backend
+    from jaxgrad.lora.model import _apply
+
     s = bench_model.SIZES["small"]
     cfg, lcfg = bench_model.configs(s)
     params, lora = bench_model.jax_model_inputs(s, np.float32, np.float32)
+    with pytest.raises(ValueError, match="'attention' must be one of 'xla', 'cudnn', 'pallas', got 'sdpa:xla'"):
+        apply(params, lora, bench_model.host_tokens(s), cfg, lcfg, attention="sdpa:xla")
     with pytest.raises(ValueError, match="needs backend 'xla' or 'reference'"):
-        apply(params, lora, bench_model.host_tokens(s), cfg, lcfg, backend="pallas", attention="sdpa:xla")
+        _apply(params, lora, bench_model.host_tokens(s), cfg, lcfg, backend="pallas", attention="sdpa:xla")
 
 
 def test_bench_lora_model_small_runs_here_each_variant_in_its_own_process(tmp_path):
