@@ -138,6 +138,7 @@ def test_write_results_defaults_to_the_git_ignored_run_folder(tmp_path, monkeypa
     (["kan", "--sizes", "long"], "--sizes long is only defined for the lora and attention suites"),
     (["kan", "--variants", "xla"], "--variants and --budget-s are only implemented for the lora and lora_model"),
     (["nosuch"], "argument suite: invalid choice: 'nosuch'"),
+    (["--repeats", "2", "verify_cost"], "verify_cost is a tool with its own options"),
 ])
 def test_bench_script_bad_arguments_exit_2_with_one_error_line(args, needle, capsys):
     from jaxgrad.cli import main
@@ -164,6 +165,16 @@ def test_bench_script_out_that_is_a_file_is_refused_before_the_suite_runs(tmp_pa
 def test_device_slug():
     assert bm.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert bm.device_slug("cpu") == "cpu"
+
+
+def test_the_header_gives_the_command_line_as_typed(monkeypatch):
+    from jaxgrad.bench import environment
+
+    monkeypatch.setattr(sys, "argv", ["/repo/jaxgrad/bench/__main__.py", "lora", "--sizes", "full"])
+    monkeypatch.setattr(sys, "orig_argv", ["/usr/bin/python3", "-m", "jaxgrad.bench", "lora", "--sizes", "full"])
+    assert environment.provenance()["command"] == "python3 -m jaxgrad.bench lora --sizes full"
+    monkeypatch.setattr(sys, "argv", ["/repo/scripts/bench.py", "kan"])
+    assert environment.provenance()["command"] == "bench.py kan"
 
 
 def test_a_result_file_is_named_suite_device_precision_date_time():

@@ -70,12 +70,10 @@ def suite_function(name: str) -> Callable:
 # ---------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxgrad.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxgrad.bench",
+                                description="Run one jaxgrad benchmark suite (also: jaxgrad bench SUITE); a tool "
+                                            "takes its own options (python -m jaxgrad.bench TOOL --help).")
     p.add_argument("suite", choices=sorted(SUITES) + sorted(TOOLS),
                    help="a timing suite, or a tool with its own options (TOOL --help)")
     p.add_argument("--sizes", choices=["small", "full", "long"], default=None,
