@@ -183,7 +183,7 @@ def test_bad_inputs_are_named():
         flash_attention(q, k.astype(jnp.int32), v)
     from tests.test_lora_block import CFG, LCFG, make_block
     params, lora, x = make_block(11, jnp.float32)
-    with pytest.raises(ValueError, match="'attention' must be 'xla', 'cudnn' or 'pallas', got 'flash'"):
+    with pytest.raises(ValueError, match="'attention' must be one of 'xla', 'cudnn', 'pallas', got 'flash'"):
         block(params, lora, x, CFG, LCFG, attention="flash")
 
 

@@ -44,22 +44,13 @@ CONFIGS = {
 }
 
 
-def _shapes(cfg: LlamaConfig) -> dict:
-    """``(group, name) -> [out, in]`` of the 7 projections (Hugging Face layout)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_name = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
-                "up_proj": (i, h), "down_proj": (h, i)}
-    return {(g, n): per_name[n] for g, n in PROJECTIONS}
-
-
 def _frozen(hidden: int, dtype) -> dict:
     """The frozen projection weights of the configuration of ``hidden``, in ``dtype``."""
     from jaxgrad.ops.registry import frozen_normal
 
     cfg, _ = CONFIGS[hidden]
     frozen: dict = {}
-    for j, ((g, n), (out_f, in_f)) in enumerate(_shapes(cfg).items()):
+    for j, ((g, n), (out_f, in_f)) in enumerate(cfg.projection_shapes.items()):
         w = frozen_normal((out_f, in_f), 10 + j, in_f ** -0.5)
         frozen.setdefault(g, {})[n] = {"weight": jnp.asarray(w, dtype)}
     return frozen
@@ -77,7 +68,7 @@ def _make_args(dtype):
                  for n in ("input_layernorm", "post_attention_layernorm")}
         lora: dict = {}
         r = lcfg.r
-        for (g, n), (out_f, in_f) in _shapes(cfg).items():
+        for (g, n), (out_f, in_f) in cfg.projection_shapes.items():
             a = jax.random.uniform(next(keys), (r, in_f), minval=-1, maxval=1) * in_f ** -0.5
             b = jax.random.uniform(next(keys), (out_f, r), minval=-1, maxval=1) * r ** -0.5
             lora.setdefault(g, {})[n] = {"lora_A": a, "lora_B": b}
