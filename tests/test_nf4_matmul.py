@@ -77,7 +77,7 @@ def test_float64_and_leading_axes():
 
 
 def test_float64_compiled_for_a_gpu_takes_the_xla_path():
-    # the compiled (Triton) kernels gave a wrong float64 dx on the H100 (session 11): float64 that would be compiled
+    # the compiled (Triton) kernels gave a wrong float64 dx on the H100: float64 that would be compiled
     # (interpret=False) is routed to dequantise + dot, the same numbers as backend="xla", and never reaches Triton
     # (on this CPU a compile attempt would raise); the LoRA block's kernel switch does the same
     from jaxgrad.lora.kernels import BlockKernels

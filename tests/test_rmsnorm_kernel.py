@@ -48,7 +48,7 @@ def test_kernels_match_the_xla_path_f32(hidden):
 # At hidden 100 (lanes padded to 128) the kernel's per-row statistics (rstd, mean(x_hat * w * g)) are rounded in
 # another order and formula than the reference's jnp.mean: the same size overall, but the row coefficient of dx
 # measured 2.1x the reference's variance, shared by the whole row. This was a verifier false alarm (slice test at
-# 1.13-1.48x its limit, session 6); the verifier now sums its replicas in random orders and allows shared rounding up
+# 1.13-1.48x its limit); the verifier now sums its replicas in random orders and allows shared rounding up
 # to stats.SHARED_FACTOR (slice ratio 0.3-0.6 over 6 seeds).
 @pytest.mark.parametrize(("hidden", "dtype", "seed"), [(96, jnp.float32, 1), (96, jnp.bfloat16, 1),
                                                        (100, jnp.bfloat16, 1), (100, jnp.float32, 1),

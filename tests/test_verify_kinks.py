@@ -238,7 +238,7 @@ def _trend_reports(rel_errs, ref_rel_errs, flip_free, kink_spread):
 
 
 def test_the_size_trend_behind_kinks_judges_what_no_flip_explains():
-    # conv2d[pallas] on the H100 (session 13): dx's normwise error over the replicas' read 0.25 at the small size (the
+    # conv2d[pallas] on the H100: dx's normwise error over the replicas' read 0.25 at the small size (the
     # replicas flipped ReLUs, fn did not) and 1.8 at the larger (fn flipped more): a 7.2x "growth" made of whole-term
     # flips, not of rounding. Behind kinks the trend compares the part no flip explains
     from jaxgrad.verify.audit import _size_trend

@@ -383,7 +383,7 @@ def test_a_kernel_rounding_more_along_every_key_is_no_slice_false_alarm(monkeypa
     # dv of our f32 attention VJP with 32 replicas (tests/fixtures/make_attention_slice_fixture.py): it recomputes
     # P = exp(S - lse), so along the key axis its slice sums run 1.3-2.9x the reference's while its entries' median
     # ratio is 0.65. The slice level (median over the keys of T / mean_k T_k) measures that; without it the key-1
-    # slice sat at its limit (a false alarm of session 11).
+    # slice sat at its limit (a false alarm).
     e, r, g = _attention_dv_leaf()
     st = leaf_statistics(e, r, g, "f32")
     assert st.passed and st.slice_ratio < 0.8, st.summary()
@@ -420,7 +420,7 @@ def test_slices_that_round_in_only_a_few_replicas_have_no_level_and_no_crash():
 def test_a_leaf_whose_weights_underflow_tells_no_scale_and_does_not_crash():
     # g_i^2 / v_i underflows to 0 for every entry (tiny gradients, replicas of e^60-size jumps: a saturated softmax
     # in bf16): the scale test has no information -- no division by zero, a vacuous scale limit (run 284 of the
-    # seed-1 CPU sweep, session 12)
+    # seed-1 CPU false-alarm sweep)
     rng = np.random.default_rng(9)
     g = 1e-160 * rng.standard_normal((6, 5))
     r = 1e150 * rng.standard_normal((32, 6, 5))
@@ -429,7 +429,7 @@ def test_a_leaf_whose_weights_underflow_tells_no_scale_and_does_not_crash():
 
 
 def test_a_small_leaf_whose_replicas_all_lie_within_their_jumps_is_no_norm_false_alarm():
-    # A conv's 6-entry bias behind ReLU kinks (H100 false-alarm sweep, session 13, run 31): every replica's error is
+    # A conv's 6-entry bias behind ReLU kinks (H100 false-alarm sweep, run 31): every replica's error is
     # within its entry's jump K, so shrinking by K leaves the replicas nothing, and e's float64-roundoff excess over K
     # was judged against 1e-300 sum(v) (a norm ratio of 4.4e141). The yardstick is then the unshrunk replicas.
     rng = np.random.default_rng(31)
@@ -449,8 +449,8 @@ def test_a_small_leaf_whose_replicas_all_lie_within_their_jumps_is_no_norm_false
 
 
 def test_weights_from_subnormal_gradient_squares_raise_no_warning():
-    # g_i != 0 whose square underflows (a saturated softmax's leaf): v_i / g_i^2 is not computed there (the H100
-    # sweep of session 13 printed divide-by-zero and invalid-multiply warnings; the verdict was undetermined)
+    # g_i != 0 whose square underflows (a saturated softmax's leaf): v_i / g_i^2 is not computed there (an H100
+    # false-alarm sweep printed divide-by-zero and invalid-multiply warnings; the verdict was undetermined)
     rng = np.random.default_rng(50)
     g = rng.standard_normal(40)
     g[:30] = 1e-170 * np.sign(g[:30])
@@ -463,7 +463,7 @@ def test_weights_from_subnormal_gradient_squares_raise_no_warning():
 
 
 def test_a_few_one_signed_flips_on_heavy_entries_are_no_scale_false_alarm():
-    # CPU false-alarm sweep, session 13, run 425 (tests/fixtures/make_flip_scale_fixture.py): a correct bf16 conv+ReLU
+    # CPU false-alarm sweep, run 425 (tests/fixtures/make_flip_scale_fixture.py): a correct bf16 conv+ReLU
     # whose weight gradient took three flips of ~-0.3 (rounding sd ~0.01, jumps K ~6) on heavily weighted entries.
     # Gated from the ungated estimate they were absorbed into beta (-1.41e-2, limit 1.2e-2); from beta = 0 they are
     # flips. The test takes the more charitable start; a 5% scale error is still caught on the same leaf.

@@ -57,7 +57,7 @@ def _with_scaled_v_grad(fn, s):
 
 
 def test_an_undetermined_forward_does_not_pick_the_precision_of_the_gradients():
-    # run 40 of the seed-1 CPU false-alarm sweep (session 12): a bf16 kernel on f32 arrays behind a saturated softmax.
+    # run 40 of the seed-1 CPU false-alarm sweep: a bf16 kernel on f32 arrays behind a saturated softmax.
     # Its forward is undetermined under every hypothesis, so the finest that "agrees" (tf32) was adopted, and dv --
     # determined, correct at bf16 -- failed tf32's scale test: a false alarm. Such a leaf is now undetermined.
     case = make_case("attention", 311, "bf16", np.random.default_rng(1658061678))
@@ -65,7 +65,7 @@ def test_an_undetermined_forward_does_not_pick_the_precision_of_the_gradients():
     rep = check_vjp(case.fn, case.reference, *args, seed=678, **QUIET)
     assert not rep.passed and rep.undetermined, rep
     assert rep.leaf("args[2]").undetermined and "BUG" not in rep.leaf("args[2]").verdict, rep
-    # (since session 13's gating from beta = 0, dv passes tf32's scale test here and is undetermined by its jumps)
+    # (with the scale test gated from beta = 0, dv passes tf32's scale test here and is undetermined by its jumps)
     # an error that bf16 explains but tf32 does not is not called a bug either: the forward cannot tell which of
     # them fn computes in (at this input the leaf is undetermined, "fails at tf32 but agrees with bf16")
     off = check_vjp(_with_scaled_v_grad(case.fn, 1.001), case.reference, *args, seed=678, **QUIET)

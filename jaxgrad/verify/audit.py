@@ -6,9 +6,11 @@
    does (about sqrt(N)). That ratio must not grow across the sizes beyond its sampling band and a stated drift
    (``TREND_DRIFT``): an error that grows faster than rounding is flagged even when every size passes on its own.
 
-The one-optimizer-step comparison of earlier versions is gone: with plain SGD it is ``-lr (g_fn - g_ref)``, the pooled
-normwise error of the leaves again, and its tolerance (bound x kappa) reached 0.85 on the H100 conv2d audit; no
-planted bug was caught by it and missed by the per-leaf checks.
+There is no one-optimizer-step comparison: with plain SGD it is ``-lr (g_fn - g_ref)``, the pooled normwise error
+of the leaves again, and its tolerance (bound x kappa) reached 0.85 on the H100 conv2d audit; no planted bug was
+caught by it and missed by the per-leaf checks.
+
+The cases ``jaxgrad audit`` runs, one per op and backend, are :mod:`jaxgrad.ops.registry`'s.
 """
 
 from __future__ import annotations
@@ -91,8 +93,8 @@ def _size_trend(sizes, reports) -> list[Check]:
         # a run that rounds far less than modelled at one size (q << 1: the model rounds a sum the kernel keeps in
         # f32) is no baseline for growth: q is floored at 1 / IMPLEMENTATION_FACTOR. Behind kinks the normwise errors
         # hold branch flips -- whole terms, as many as the rounding happens to flip, in fn and in the replicas alike
-        # -- so q is the part no flip explains (LeafStatistics.flip_free_ratio, as the norm test judges it). Found on
-        # the H100 (session 13): conv2d[pallas]'s dx read 0.25 then 1.8 with flips in, a 7.2x "growth" (limit 5.9)
+        # -- so q is the part no flip explains (LeafStatistics.flip_free_ratio, as the norm test judges it). On the
+        # H100, conv2d[pallas]'s dx read 0.25 then 1.8 with flips in: a 7.2x "growth" (limit 5.9) made of flips
         q = [max(_trend_ratio(lf), 1 / IMPLEMENTATION_FACTOR) for lf in leaves]
         first, last = leaves[0].stats, leaves[-1].stats
         band = math.sqrt(float(sps.f.isf(TREND_ALPHA / 2, last.dof, last.replicas * last.dof))
