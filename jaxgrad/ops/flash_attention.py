@@ -218,7 +218,7 @@ def _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, do_ref, dq_ref, dd_ref, *, seq, head_dim, scale, block_k):
-    """One (batch, q head, q block): pass 1 D = rowsum(P dP); pass 2 dQ = c sum_J P (dP - D) K_J."""
+    """One (batch, q head, q block): first loop D = rowsum(P dP), second loop dQ = c sum_J P (dP - D) K_J."""
     (bq, bd), bk = q_ref.shape, block_k
     cdt, i, rows, row_in, dmask, q = _q_block(q_ref, seq, head_dim)
     do = pb.masked_load(do_ref, row_in[:, None] & dmask).astype(cdt)
