@@ -2,7 +2,9 @@
 # jaxgrad on a GPU, in stages that each fit a 10-minute run; every stage writes its log (with a header: device,
 # versions, commit, dirty flag, command line) into one dated folder.
 #
-#   bash scripts/gpu_check.sh tests                        # every test marked `gpu`
+#   bash scripts/gpu_check.sh tests lora                   # the tests marked `gpu`, one group per run (each
+#   bash scripts/gpu_check.sh tests ops                    #   group fits the budget on an H100): lora, ops,
+#   bash scripts/gpu_check.sh tests kan cnn                #   kan, cnn, audit; or test files by path
 #   bash scripts/gpu_check.sh tests tests/test_attention_masks.py tests/test_verify_program_precision.py
 #   bash scripts/gpu_check.sh verify                       # the cost of a verdict (block backends xla, mosaic)
 #   bash scripts/gpu_check.sh false-alarms                 # the verifier's mixed-precision false-alarm sweep
@@ -42,7 +44,21 @@ stage=${1:-}
 [ $# -gt 0 ] && shift
 case "$stage" in
   tests)
-    run_logged gpu-tests "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider "${@:-tests}" ;;
+    [ $# -gt 0 ] || { echo "gpu_check.sh tests: name groups (lora ops kan cnn audit) or test files" >&2; exit 2; }
+    for group in "$@"; do
+      case "$group" in
+        lora)  files=(tests/test_lora_*.py tests/test_attention_masks.py) ;;
+        ops)   files=(tests/test_op_variants.py tests/test_swiglu.py tests/test_flash_attention.py
+                      tests/test_rmsnorm_kernel.py tests/test_nf4_matmul.py tests/test_pallas_backend.py
+                      tests/test_verify_*.py tests/test_bench_*.py) ;;
+        kan)   files=(tests/test_kan_*.py) ;;
+        cnn)   files=(tests/test_cnn_*.py) ;;
+        audit) files=(tests/test_audit_registry.py) ;;
+        *)     files=("$group") ;;
+      esac
+      name=$(basename "$group" .py)
+      run_logged "gpu-tests-$name" "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=10 "${files[@]}"
+    done ;;
   verify)
     for backend in xla mosaic; do
       run_logged "verify-cost-$backend" "$PY" -m jaxgrad.bench verify_cost --backend "$backend" --repeats 2 \
@@ -59,7 +75,7 @@ case "$stage" in
       run_logged "bench-$suite" "$PY" -m jaxgrad.bench "$suite" --out "$DIR"
     done ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests [FILES...] | verify | false-alarms | audit | bench [SUITES...]" >&2
+    echo "usage: bash scripts/gpu_check.sh tests GROUPS|FILES... | verify | false-alarms | audit | bench [SUITES...]" >&2
     exit 2 ;;
 esac
 echo "wrote $DIR"

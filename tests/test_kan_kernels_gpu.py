@@ -54,11 +54,13 @@ HIGHEST_CONFIGS = {
            dict(block_b=64, block_k=64, block_out=64, num_warps=4, num_stages=1),
            dict(block_b=32, block_k=128, block_out=32, num_warps=4, num_stages=1)],
 }
-# G = 20: 32 padded bases per input, so block_k = 128 holds 4 inputs; wider contractions
+# G = 20: 32 padded bases per input, so block_k = 128 holds 4 inputs; wider contractions. The forward's
+# coefficient tile (block_k x block_out f32) must leave room in the 227 KiB of shared memory of an H100 block:
+# 256 x 256 or 512 x 128 (256 KiB) do not launch (RESOURCE_EXHAUSTED, an error, not a wrong result)
 LARGE_GRID_CONFIGS = {
     "fwd": [dict(block_b=128, block_k=256, block_out=128, num_warps=8, num_stages=1),
-            dict(block_b=64, block_k=256, block_out=256, num_warps=8, num_stages=1),
-            dict(block_b=64, block_k=512, block_out=128, num_warps=8, num_stages=1)],
+            dict(block_b=64, block_k=256, block_out=128, num_warps=4, num_stages=1),
+            dict(block_b=64, block_k=128, block_out=256, num_warps=8, num_stages=1)],
     "dcoef": [dict(block_b=64, block_k=256, block_out=128, num_warps=8, num_stages=1),
               dict(block_b=64, block_k=512, block_out=64, num_warps=8, num_stages=1)],
     "dx": [dict(block_b=128, block_k=256, block_out=64, num_warps=8, num_stages=1),
