@@ -52,7 +52,7 @@ case "$stage" in
                       tests/test_rmsnorm_kernel.py tests/test_nf4_matmul.py tests/test_pallas_backend.py
                       tests/test_verify_*.py tests/test_bench_*.py) ;;
         kan)   files=(tests/test_kan_*.py) ;;
-        cnn)   files=(tests/test_cnn_*.py) ;;
+        cnn)   files=(tests/test_cnn_kernels.py tests/test_cnn_kernels_gpu.py) ;;
         audit) files=(tests/test_audit_registry.py) ;;
         *)     files=("$group") ;;
       esac
