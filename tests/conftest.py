@@ -14,7 +14,7 @@ def _has_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H100/H200 with the device tool)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (bash scripts/gpu_check.sh tests on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

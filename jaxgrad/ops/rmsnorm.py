@@ -128,7 +128,8 @@ def _bwd_kernel(x_ref, w_ref, r_ref, dy_ref, dx_ref, dwp_ref, *, rows, hidden):
 
 # At most this many elements per program and tensor: 16 rows x 2048 lanes in fp32 over 4 warps held 256 values per
 # thread and tensor (the backward keeps six such tiles), far past the register file; the block with it measured
-# 10.7 ms against 7.5 ms for the XLA norms on the H100 (benchmarks/results/lora-nvidia-h100-80gb-hbm3-20261123-172130).
+# 10.7 ms against 7.5 ms for the XLA norms on the H100
+# (benchmarks/results/lora-nvidia-h100-80gb-hbm3-bf16-20261123-172130.json).
 # Capping the tile and giving wide rows more warps keeps ~16 values per thread and tensor.
 _TILE_ELEMENTS = 4096
 

@@ -16,7 +16,7 @@ the plain-JAX reference it must match:
 kernel's error against the float64 oracle, K rounding samples of the reference at the precision, the oracle, the
 sum of |terms| and the kink term. A planted bug is then added to the kernel's gradient (a scale ``(1 + s)``, or an
 error confined to the last 1% of the entries), so one set of samples serves every bug size.
-``scripts/verify_detection_limits.py`` and ``scripts/verify_false_alarms.py`` use these.
+``python -m jaxgrad.bench verify_detection_limits`` and ``verify_false_alarms`` use these.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ its own float64 oracle. Four tests, each with a threshold derived from the model
    by the variance of the *other* K - 1, so it is judged like ``e``, by weights it did not shape; this sees
    correlated errors) and :math:`\sqrt{\sum_i w_i^2 v_i} / \langle g^*, w\rangle` (independent entries), times
    :math:`\rho` (below); it fails when :math:`|\beta| > \max(t^{-1}_{K,1-\alpha/2}\,\sigma_\beta, \delta_p)`.
-   (Before session 10 the weights were :math:`w = g^*`: a bf16 attention leaf of 64 entries then caught 3%, not 1%,
-   while its Cramer-Rao floor was 0.4%.)
+   (With weights :math:`w = g^*` a bf16 attention leaf of 64 entries caught only a 3% scale error, not 1%, while
+   its Cramer-Rao floor is 0.4%.)
    **Kink jumps are gated, not assumed.** The jump :math:`\kappa_i` of an entry fed by a rounded comparison is a
    worst case (every uncertain comparison flipped, all jumps of one sign): behind a conv's ReLU it measured ~100x
    the replicas' own spread at 98% of a bf16 ``dx``'s entries, so as a standard deviation it swamped the weights
@@ -106,7 +106,7 @@ REPLICAS = 16  # K: rounding realisations of the reference at the hypothesis pre
 # test must see one entry at 10 modelled sigma, i.e. 10 / rho_s with rho_s up to ~1.2 (a median of few ratios). The
 # entry test's Bonferroni limit sqrt(F^-1_{1 - alpha/(4n)}(1, K)) is, with K = 16, 8.2 sigma at 64 entries and 10.1
 # at 1024 (measured: 16-20/20 at 63-80 entries, 18-19/20 for attention TF32 at 1024); with K = 32 it is 6.4 at 64,
-# 7.3 at 1024 and 7.8 at 4096 (20/20 in every 63-80-entry cell, session 12). Above 4096 the 1% is >= 41 entries and
+# 7.3 at 1024 and 7.8 at 4096 (20/20 in every 63-80-entry cell). Above 4096 the 1% is >= 41 entries and
 # the slice test catches it (20/20 from 16,384 entries). Twice the replica cost, for small, cheap functions.
 SMALL_LEAF_REPLICAS = 32
 SMALL_LEAF = 4096
@@ -341,8 +341,8 @@ def leaf_null(replicas: np.ndarray, g_ref: np.ndarray, precision: str, kink: np.
         # the shrink took a replica's whole error (every entry within its jump: a small leaf behind kinks, a conv's
         # bias). Those replicas no longer sample the rounding that e's residual carries where fn flips and they did
         # not, so the yardstick is the unshrunk replicas: |shrink(e, K)| <= |e's rounding part| entry by entry when
-        # fn's flips are within K, whose mean square the replicas' own (rounding plus their flips) bounds. Found on
-        # the H100 (session 13): a 6-entry bias whose replicas all shrank to 0 judged e's float64-roundoff excess
+        # fn's flips are within K, whose mean square the replicas' own (rounding plus their flips) bounds. Seen on
+        # the H100: a 6-entry bias whose replicas all shrank to 0 judged e's float64-roundoff excess
         # over K against den = 1e-300 sum(v) -- a norm ratio of 4.4e141.
         r_perp = np.stack([_perp(rk.ravel(), g.ravel(), gg) for rk in r])
         norms = np.sum(r_perp * r_perp, axis=1)
@@ -486,7 +486,7 @@ def leaf_statistics(e: np.ndarray, replicas: np.ndarray, g_ref: np.ndarray, prec
         # entries absorbed into beta (they then look like a scale error and are not gated), or gated as flips with
         # beta near 0. The test takes the more charitable of the two starts (the ungated estimate, beta = 0): a
         # scale error consistent across the leaf reaches the same fixed point from either. (CPU false-alarm sweep,
-        # session 13, run 425: three flips of -0.3 on entries with K ~ 6 gave beta = -1.4% against a limit of 1.2%
+        # one run: three flips of -0.3 on entries with K ~ 6 gave beta = -1.4% against a limit of 1.2%
         # from the first start, ~0 from the second.)
         candidates = []
         for from_zero in ((False, True) if kf is not None and np.any(kf > 0) else (False,)):
