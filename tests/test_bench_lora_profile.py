@@ -84,12 +84,13 @@ def test_parse_hlo_and_describe():
     assert gemm.phase == "bwd" and gemm.bound == "flops"
     assert gemm.floor_s == pytest.approx(gemm.flops / hp.MATMUL_FLOPS)
 
-    # a Mosaic GPU LoRA kernel (jaxgrad.ops.lora_linear_mgpu), here the dX one: dY W + (s dY B) A with sG out
+    # a Mosaic GPU LoRA kernel of the older form (the r-wide G formed in its K loop), here the dX one:
+    # dY W + (s dY B) A with sG out; profiles of it are still read
     mos = hp.describe(mod, "custom-call.9")
     assert mos.kind == "gemm" and mos.category == "Mosaic GPU gemm+lora bf16"
     assert mos.flops == 2.0 * 8192 * 2048 * (2048 + 16) + 2.0 * 8192 * 16 * 2048
     assert mos.detail == "8192x2048x2048 r16 bf16->f32"
-    # the same kernel reading sG computed by XLA (TileConfig.rank_from_xla, the default): no r-wide product inside
+    # the kernel as jaxgrad.ops.lora_linear_mgpu has it, reading sG computed by XLA: no r-wide product inside
     mos = hp.describe(mod, "custom-call.10")
     assert mos.flops == 2.0 * 8192 * 2048 * 2048 + 2.0 * 8192 * 16 * 2048
     assert mos.detail == "8192x2048x2048 r16 in bf16->bf16"

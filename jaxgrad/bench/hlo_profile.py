@@ -374,10 +374,10 @@ def describe(mod: HloModule, name: str) -> OpInfo:
         info.detail = f"{'%dx' % b if b > 1 else ''}{m}x{n}x{k} {ldt}.{rdt}->{out_dtype}"
         return info
     if ins.opcode == "custom-call" and "mosaic_gpu" in target.lower():
-        # a jaxgrad.ops.lora_linear_mgpu kernel, L R1 + (s L R2) R3: operands L [M, Kc], R1, then R2^T [r, Kc] (U or
-        # G from the same L tiles in the K loop) or the rank-r product s L R2 [M, r] itself (computed by XLA,
-        # TileConfig.rank_from_xla), then R3^T; results Y [M, N] (and the rank-r side output [M, r]). FLOPs: the
-        # base product, the r-wide U (or G) where the kernel forms it, and the epilogue's rank-r product
+        # a jaxgrad.ops.lora_linear_mgpu kernel, L R1 + (s L R2) R3: operands L [M, Kc], R1, the rank-r product
+        # s L R2 [M, r] (computed by XLA), R3^T; results Y [M, N] (and the rank-r side output [M, r]). FLOPs: the
+        # base product and the epilogue's rank-r product. Profiles of older kernels that formed U (or G) in their
+        # K loop (R2^T [r, Kc] as the third operand) are read too: their r-wide product is counted
         outs, lhs, third = arrays(ins.shape), arrays(operand_shapes[0]), arrays(operand_shapes[2])
         if outs and lhs and third and len(lhs[0][1]) == 2 and len(outs[0][1]) == 2:
             (ldt, (m_, kc)), (odt, (_, n_)) = lhs[0], outs[0]

@@ -102,21 +102,6 @@ JAX_VARIANTS = {
     # each projection's LoRA term as a separate U B^T product (block(fold_lora_b=False); the default folds it)
     "custom_vjp+unfolded cudnn": ("xla", "cudnn", False),
 }
-# the mosaic variants that are kernel options rather than block() arguments: the variant name's last word ->
-# the options. None now: the kernel forms they measured lost to the defaults and are gone (docs/design.md)
-MOSAIC_KERNEL_VARIANTS: dict = {}
-
-
-def mosaic_kernel_options(suffix: str) -> dict:
-    """The BlockKernels options of a mosaic variant named ``... <suffix>`` (imports JAX: call it in a JAX child)."""
-    from jaxgrad.ops.lora_linear_mgpu import TileConfig
-
-    opts = dict(MOSAIC_KERNEL_VARIANTS[suffix])
-    if "mosaic_tiles" in opts:
-        opts["mosaic_tiles"] = TileConfig(**opts["mosaic_tiles"])
-    return opts
-
-
 #: the 7 projections' HF names, in PEFT order, and the group each sits in (the model's own table)
 PROJ = tuple(name for _, name in PROJECTIONS)
 GROUP = {name: group for group, name in PROJECTIONS}
@@ -248,12 +233,6 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
         if attention.startswith("sdpa:"):  # the attention="cudnn" code path with another implementation (CPU)
             return _block_sdpa(params, lora, x, cfg, lcfg, implementation=attention.split(":", 1)[1],
                                group_projections=grouped, low_memory=low_memory, fold_lora_b=fold_b)
-        if name.split()[-1] in MOSAIC_KERNEL_VARIANTS:  # not block() options: the kernel choice given directly
-            from jaxgrad.lora.block import _block
-            from jaxgrad.lora.kernels import BlockKernels
-
-            kern = BlockKernels("mosaic", fold_b=True, **mosaic_kernel_options(name.split()[-1]))
-            return _block(cfg, lcfg, attention, params, lora, x, None, None, None, kern)
         return block(params, lora, x, cfg, lcfg, attention=attention, backend=backend, group_projections=grouped,
                      low_memory=low_memory, fold_lora_b=fold_b)
 
