@@ -7,11 +7,15 @@ cancel (:math:`|s| \ll \sum|t_k|`) therefore shows a huge *relative* error from 
 by re-interpreting its jaxpr with a running error bound (Wilkinson's running error analysis, first order):
 
 * multilinear primitives (``add``, ``mul``, ``dot_general``, ``conv_general_dilated``, ``reduce_sum``, reshapes,
-  slices, selects ...) are applied to the magnitudes: :math:`M(a b) = M(a) M(b)`, :math:`M(a \pm b) = M(a) + M(b)`,
-  :math:`M(A B) = M(A) M(B)` (the matrix product of magnitudes is exactly :math:`\sum|a_{ik} b_{kj}|` at the top
-  level). For a conv or matmul VJP this is the "one extra VJP on absolute values".
-* ``max``/``min`` (and their reductions) select one operand, and a rounded run may select the other:
-  :math:`M(\max(a, b)) = \max(M(a), M(b))`.
+  slices, selects ...) are applied to the magnitudes: :math:`M(a \pm b) = M(a) + M(b)`, and a product of an exact
+  operand (an input, a constant) :math:`M(A B) = |A|\,M(B)` (the matrix product of magnitudes is exactly
+  :math:`\sum|a_{ik} b_{kj}|` at the top level; for a conv or matmul VJP this is the "one extra VJP on absolute
+  values"). A product of two computed operands is first order, :math:`M(a b) = M(a)|b| + |a|(M(b) - |b|)`
+  (:func:`_product_magnitude`): the cross term of :math:`M(a) M(b)` is second order and compounds through
+  normalisations and attention (``x * x`` squares ``M/|x|``).
+* ``max``/``min`` select one operand, and a rounded run may select the other:
+  :math:`M(\max(a, b)) = \max(M(a), M(b))`; their reductions take the largest ``M`` over the entries a rounded run
+  can select (:func:`_reachable_extremum_magnitude`: not the ``-1e30`` fill of a masked softmax shift).
 * elementwise nonlinear primitives :math:`f` start a fresh rounding at their output and pass input errors through
   their slope: :math:`M(f(a)) = |f(a)| + |f'(a)|\,M(a)` (one JVP per input).
 * call primitives (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are entered recursively.
@@ -139,7 +143,8 @@ class _Interpreter(KinkRules):
             return lc if lc is not None else (jnp.abs(vals[i]) if is_float(vals[i]) else vals[i])
 
         if prim in _MULTILINEAR or prim in _NEGATING:
-            ms = _bind_nonneg(eqn.primitive, params, [mag_or_abs(i) for i in range(len(ins))])
+            ms = _product_magnitude(eqn.primitive, params, ins, [mag_or_abs(i) for i in range(len(ins))]) \
+                if prim in _PRODUCTS else _bind_nonneg(eqn.primitive, params, [mag_or_abs(i) for i in range(len(ins))])
             locs = [None] * len(outvals)
             if self.kink_bound is not None:  # products restart the local terms from |operands|; sums carry them
                 ops = [jnp.abs(v) if is_float(v) else v for v in vals] if prim in _PRODUCTS else \
@@ -154,7 +159,8 @@ class _Interpreter(KinkRules):
             return [_State(o, jnp.abs(mm) if is_float(o) else None, n_out, k, exact_out, lc, e, sg)
                     for o, mm, k, lc, e, sg in zip(outvals, ms, kinks, locs, errs, sgns, strict=True)]
         if prim in _REDUCE_SELECT:
-            (m,) = _bind_nonneg(eqn.primitive, params, [mag_or_abs(0)])
+            (m,) = _reachable_extremum_magnitude(prim, params, vals[0], mag_or_abs(0), outvals[0]) \
+                if prim in ("reduce_max", "reduce_min") else _bind_nonneg(eqn.primitive, params, [mag_or_abs(0)])
             lc = jnp.abs(_bind_nonneg(eqn.primitive, params, [loc_or_abs(0)])[0]) if self.kink_bound is not None \
                 else None
             err = None
@@ -221,6 +227,45 @@ class _Interpreter(KinkRules):
             kinks_out = [self._exp_saturation(ins[0], outvals[0], kinks_out[0])]
         return [_State(o, m, n_in + 1, k, False, None, e, sg)
                 for o, m, k, e, sg in zip(outvals, mags_out, kinks_out, errs_out, sgns, strict=True)]
+
+
+def _reachable_extremum_magnitude(prim: str, params: dict, x, m, y) -> list[Any]:
+    r"""``M`` of ``y = max_i x_i`` (``reduce_max``; ``reduce_min`` mirrored): the largest ``M_i`` over the entries a
+    rounded run can select. The computed maximum is within :math:`\max_i |\hat x_i - x_i|` of ``y`` (max is
+    1-Lipschitz), and entry ``i`` can come out on top only if :math:`x_i + r M_i \ge y - r M_*` (``M_*``: ``M`` at the
+    maximum). Any meaningful radius has :math:`r \le 1/2` (a larger one admits every value), so the candidates are
+    :math:`x_i + M_i/2 \ge y - M_*/2`. This drops the fill of a masked softmax shift, ``max(where(mask, s,
+    -1e30))``: ``M = 1e30`` there, never a candidate; taking it would put ``1e30`` into every ``exp(s - max)``
+    (a ``-inf`` fill, ``M = inf``, drops out as well: ``-inf + inf`` is no candidate)."""
+    axes = tuple(params["axes"])
+    sign = 1.0 if prim == "reduce_max" else -1.0
+    y_b = jnp.expand_dims(y, axes)
+    at_top = x == y_b
+    m_star = jnp.expand_dims(jnp.max(jnp.where(at_top, m, 0), axis=axes), axes)
+    reachable = sign * (x - y_b) + (m + m_star) / 2 >= 0
+    return [jnp.max(jnp.where(reachable | at_top, m, 0), axis=axes)]
+
+
+def _product_magnitude(primitive, params: dict, ins: Sequence[_State], mags: Sequence[Any]) -> list[Any]:
+    r"""``M`` of a product (``mul``, ``dot_general``, ``conv_general_dilated``) of ``a`` and ``b``, to first order:
+
+    .. math:: M(a b) = M(a)\,|b| + |a|\,\bigl(M(b) - |b|\bigr)
+              = M(a) M(b) - \bigl(M(a) - |a|\bigr)\bigl(M(b) - |b|\bigr)
+
+    (contractions and convolutions apply the same to magnitude arrays). With an exact operand (``M = |.|``) it is
+    the product of magnitudes, :math:`\sum_k |a_k b_k|` at the top level. Of two computed operands, the computed
+    product carries :math:`b\,\delta a + a\,\delta b + \delta a\,\delta b` with :math:`|\delta v| \le r\,M(v)`:
+    the dropped cross term is :math:`r^2`, second order, as everywhere else in this running error analysis. Kept,
+    it compounds: ``x * x`` squares ``M(x) / |x|``, and a block of RMSNorms and softmaxes (``q k^T``, ``P V``)
+    raises ``M`` past 1e100 at gradients of order one -- a per-entry bound that admits anything.
+    Both forms are sums of non-negative arrays (``M(b) - |b|`` clamped at 0), so ``M >= |a b|`` entrywise."""
+    a, b = ins
+    if not (is_float(a.val) and is_float(b.val)) or a.exact or b.exact:
+        return _bind_nonneg(primitive, params, list(mags))
+    abs_a, abs_b = jnp.abs(a.val), jnp.abs(b.val)
+    slack_b = jnp.maximum(mags[1] - abs_b, 0)
+    out = primitive.bind(mags[0], abs_b, **params) + primitive.bind(abs_a, slack_b, **params)
+    return [out]
 
 
 def magnitudes(fn: Callable[..., Any], *args: Any, kink_bound: Callable[[int], float] | None = None
