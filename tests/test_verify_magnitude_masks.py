@@ -3,7 +3,8 @@
 ``M`` of a product of two computed values is :math:`M(a)|b| + |a|(M(b) - |b|)`, not :math:`M(a) M(b)` (whose
 cross term is second order and compounds: ``x * x`` squares ``M/|x|``, and a Llama block's RMSNorms and attention
 products raised ``M`` past 1e100 -- a per-entry bound that admits anything). The maximum of a masked softmax shift
-takes ``M`` only from the entries a rounded run can select, never from the ``-1e30`` fill.
+takes ``M`` only from the entries a rounded run can select, never from the ``-1e30`` fill; a ``-inf`` fill gives
+``exp(-inf) = 0`` with ``M = 0``, not ``0 * inf = nan``.
 """
 
 import dataclasses
@@ -71,7 +72,7 @@ def _causal_attention(q, k, v, fill, shift_gradient):
 
 
 class TestMaskedSoftmax:
-    @pytest.mark.parametrize("fill", [-1e30, float(np.finfo(np.float64).min)])
+    @pytest.mark.parametrize("fill", [-1e30, float(np.finfo(np.float64).min), -np.inf])
     @pytest.mark.parametrize("shift_gradient", [True, False])
     def test_the_mask_fill_adds_no_magnitude(self, fill, shift_gradient):
         with jax.enable_x64(True):

@@ -17,7 +17,8 @@ by re-interpreting its jaxpr with a running error bound (Wilkinson's running err
   :math:`M(\max(a, b)) = \max(M(a), M(b))`; their reductions take the largest ``M`` over the entries a rounded run
   can select (:func:`_reachable_extremum_magnitude`: not the ``-1e30`` fill of a masked softmax shift).
 * elementwise nonlinear primitives :math:`f` start a fresh rounding at their output and pass input errors through
-  their slope: :math:`M(f(a)) = |f(a)| + |f'(a)|\,M(a)` (one JVP per input).
+  their slope: :math:`M(f(a)) = |f(a)| + |f'(a)|\,M(a)` (one JVP per input; a zero slope at an infinite
+  :math:`M(a)` adds 0: ``exp`` of a ``-inf``-filled score).
 * call primitives (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are entered recursively.
 * anything else (loops, sorts, opaque kernels) falls back to :math:`|y| + |J M|` and is listed in
   ``MagnitudeResult.approximated`` so the report can say the model is approximate there.
@@ -212,7 +213,10 @@ class _Interpreter(KinkRules):
             return [a if (a is None or not is_float(t)) else a + jnp.abs(t) for a, t in zip(acc, t_out, strict=True)]
         try:
             for i in float_idx:
-                mags_out = add_abs(mags_out, abs_jvp(i, mag_or_abs(i)))
+                t_out = abs_jvp(i, mag_or_abs(i))
+                if elementwise:
+                    t_out = [_no_slope_at_infinity(t, mag_or_abs(i)) if is_float(t) else t for t in t_out]
+                mags_out = add_abs(mags_out, t_out)
                 if self.kink_bound is not None and ins[i].err is not None:
                     errs_out = add_abs(errs_out, abs_jvp(i, ins[i].err))
                 if ins[i].kink is not None and self.kink_bound is not None:
@@ -227,6 +231,14 @@ class _Interpreter(KinkRules):
             kinks_out = [self._exp_saturation(ins[0], outvals[0], kinks_out[0])]
         return [_State(o, m, n_in + 1, k, False, None, e, sg)
                 for o, m, k, e, sg in zip(outvals, mags_out, kinks_out, errs_out, sgns, strict=True)]
+
+
+def _no_slope_at_infinity(t, m):
+    r"""``|f'(a)| M(a)`` where ``M(a)`` is infinite and the slope 0 is 0, not ``0 * inf = nan``: ``exp(-inf)`` (a masked
+    score, ``-inf`` filled) is exactly 0 whatever the rounding of its argument, and carries no error. Any other nan
+    (a nan slope) stays."""
+    at_infinity = jnp.broadcast_to(jnp.isinf(m), jnp.shape(t))
+    return jnp.where(jnp.isnan(t) & at_infinity, jnp.zeros_like(t), t)
 
 
 def _reachable_extremum_magnitude(prim: str, params: dict, x, m, y) -> list[Any]:
