@@ -5,6 +5,7 @@ Each function returns text; :class:`Console` prints it (flushed: the lines appea
 
 from __future__ import annotations
 
+import math
 import pathlib
 import sys
 
@@ -48,8 +49,8 @@ def audit_header(n_ops: int) -> str:
 
 
 def audit_line(v: OpVerdict) -> str:
-    return (f"{INDENT}{'PASS' if v.passed else 'FAIL'}  {v.name:<46.46} worst error {v.worst:5.2f} of its bound  "
-            f"{duration(v.seconds):>6}")
+    worst = f"worst error {v.worst:5.2f} of its bound" if math.isfinite(v.worst) else "per-entry bound vacuous    "
+    return f"{INDENT}{'PASS' if v.passed else 'FAIL'}  {v.name:<46.46} {worst}  {duration(v.seconds):>6}"
 
 
 def audit_done(a: AuditResult) -> str:

@@ -42,7 +42,8 @@ def _audit_section(m: dict) -> str:
     a = m["audit"]
     rows = [[escape(op["name"]), escape(", ".join(str(tuple(s)) if isinstance(s, list) else str(s)
                                                   for s in op["sizes"])),
-             f"{op['worst_fraction_of_bound']:.3f}", _verdict(op["passed"]), f"{op['seconds']:.1f}"]
+             "vacuous" if op["worst_fraction_of_bound"] is None else f"{op['worst_fraction_of_bound']:.3f}",
+             _verdict(op["passed"]), f"{op['seconds']:.1f}"]
             for op in a["ops"]]
     summary = (f"all {a['n_ops']} pass" if a["passed"] else f"{a['n_failed']} of {a['n_ops']} FAIL")
     return f"""<h2>1. Are the hand-written gradients right? {_verdict(a['passed'])} ({summary})</h2>

@@ -50,7 +50,7 @@ def demo_metrics(plan_name: str, audit: AuditResult, kan: KANResult, den: Denois
         "versions": {"jaxgrad": jaxgrad.__version__, "jax": jax.__version__, "python": platform.python_version()},
         "seconds": seconds, "cpu_seconds": cpu_seconds,
         "audit": {"passed": audit.passed, "n_ops": len(audit.verdicts), "n_failed": audit.n_failed,
-                  "ops": [{"name": v.name, "passed": v.passed, "worst_fraction_of_bound": v.worst,
+                  "ops": [{"name": v.name, "passed": v.passed, "worst_fraction_of_bound": v.worst if math.isfinite(v.worst) else None,
                            "sizes": [list(s) if isinstance(s, tuple) else s for s in v.sizes],
                            "seconds": v.seconds} for v in audit.verdicts]},
         "kan": {"target": TARGET_TEXT, "widths": list(WIDTHS), "grids": [g.grid for g in kan.per_grid],

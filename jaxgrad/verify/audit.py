@@ -43,7 +43,7 @@ class AuditReport:
         for size, rep in zip(self.sizes, self.reports):
             for lf in rep.leaves:
                 rows.append([str(size), lf.name, lf.run, f"{lf.normalized_err:.2e}", f"{lf.bound:.1e}",
-                             f"{lf.rel_err:.2e}", f"{lf.kappa:.1f}", "ok" if lf.passed else "FAIL"])
+                             f"{lf.rel_err:.2e}", f"{lf.kappa:.3g}", "ok" if lf.passed else "FAIL"])
         out += _fmt_table(["size", "leaf", "run", "max err/sum|t|", "bound", "rel.err(norm)", "kappa", ""], rows)
         out.append("  checks:")
         for size, rep in zip(self.sizes, self.reports):

@@ -82,12 +82,13 @@ class _State(NamedTuple):
     kink: Any = None
     exact: bool = False
     # (kink mode only) the *local* sum of |terms|: of the last products, with their operands taken as exact (None:
-    # |val|). The rounding radius of an exp's argument is judged on it, not on ``mag``, which grows multiplicatively
-    # through normalisations (~1e150 over a transformer block) and would call every softmax saturated.
+    # |val|). The rounding radius of an exp's argument is judged on it, not on ``mag``, a layer-by-layer worst case
+    # that grows about sqrt(fan-in) per linear layer (1e6..1e15 over a transformer block) and would call every
+    # softmax saturated.
     loc: Any = None
     # (kink mode only) the first-order rounding error bound E of the run under test (None: 0, an exact value):
-    # Wilkinson's running error analysis, linear in the operands' errors (no M(a) M(b) products), so it does not grow
-    # multiplicatively through normalisations as ``mag`` does. A comparison's radius is judged on it.
+    # Wilkinson's running error analysis, linear in the operands' errors, local to the run under test rather than a
+    # worst case over every term as ``mag`` is. A comparison's radius is judged on it.
     err: Any = None
     # (kink mode only) where the computed value's sign is certain (bool array; None: nowhere known; exact values
     # always): products, exps and sums of same-signed terms keep their sign under any rounding, so ``den > 0`` on a

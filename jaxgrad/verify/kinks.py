@@ -12,8 +12,8 @@ rounding analysis has no such term, so it is tracked separately, as an absolute 
   :math:`E(a \pm b) = E(a) + E(b) + r(1)(|a| + |b|)`, :math:`E(ab) = E(a)|b| + |a|E(b) + r(1)|ab|` (a dot or conv:
   the same with :math:`r(N)` and the product of magnitudes), :math:`E(f(a)) = |f'(a)| E(a) + r(1)|f(a)|`, max/min
   and data movement move it. Unlike :math:`r(N) M`, it is linear in the operands' errors and does not compound
-  through normalisations (:math:`M(\exp a) = |e|(1 + M(a))` multiplies magnitudes: ~1e150 over a transformer block,
-  where every softmax comparison looked uncertain). Operands that are inputs or pure data movement of inputs are
+  through normalisations as the worst case :math:`M` does (1e6-1e15 over a transformer block, where every softmax
+  comparison would look uncertain). Operands that are inputs or pure data movement of inputs are
   exact (E = 0). Against an exact zero, a value whose *sign* rounding cannot change is certain however large E:
   products and quotients of such values, ``exp``/``logistic``, sign-keeping functions of them, and sums of terms of
   one sign (a softmax denominator ``den > 0``);
