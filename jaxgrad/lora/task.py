@@ -53,7 +53,6 @@ micro-batch :math:`j` returns
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import math
 import os
@@ -64,110 +63,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.lora.config import LlamaConfig, LoraConfig
+from jaxgrad.lora.config import LlamaConfig
 from jaxgrad.lora.model import apply, causal_lm_loss, count_items, init, init_lora
+from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, MODES, BlockPath,
+                                      LoraFit, resolve_path)
 from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
-MODES = ("full", "lora", "qlora")
-#: the :class:`LoraFit` settings only some modes use; any other mode refuses one that differs from its default
-USED_ONLY_IN = {**{name: ("lora", "qlora") for name in ("r", "lora_alpha", "lora_dropout", "target_modules",
-                                                        "use_rslora", "init_lora_weights", "base_seed")},
-                "nf4_blocksize": ("qlora",), "double_quant": ("qlora",)}
-VOCAB = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraFit:
-    """Model, adapter and data settings (everything that defines the params' shapes and the data order)."""
-
-    mode: str = "full"
-    hidden_size: int = 32
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 64
-    rope_theta: float = 10000.0
-    seq_len: int = 32
-    dtype: str = "float32"
-    base: str | None = None
-    base_seed: int = 0
-    r: int = 4
-    lora_alpha: float = 8.0
-    lora_dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = "all-linear"
-    use_rslora: bool = False
-    init_lora_weights: bool | str = True
-    nf4_blocksize: int = 64
-    double_quant: bool = False
-    files: str = "*.py"
-    offset: int = 0
-    n_bytes: int = 65536
-    held_out: float = 0.1
-    batch_size: int = 8
-    data_seed: int = 0
-
-    def __post_init__(self):
-        def need(cond, field, expected):
-            if not cond:
-                raise ConfigError(f"LoRA fit: '{field}' must be {expected}, got {getattr(self, field)!r}")
-
-        need(self.mode in MODES, "mode", f"one of {MODES}")
-        need(self.dtype in ("float32", "float64", "bfloat16"), "dtype", "'float32', 'float64' or 'bfloat16'")
-        for f in ("seq_len", "n_bytes", "batch_size"):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) >= 2, f, "an int >= 2")
-        for f in ("offset", "data_seed", "base_seed"):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f, "an int >= 0")
-        need(0.0 < self.held_out < 1.0, "held_out", "a fraction in (0, 1)")
-        need(isinstance(self.lora_dropout, (int, float)) and 0.0 <= self.lora_dropout < 1.0, "lora_dropout",
-             "a probability in [0, 1)")
-        need(isinstance(self.files, str) and self.files.strip() != "", "files", "a glob pattern or path")
-        if isinstance(self.target_modules, list):
-            object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        self._refuse_settings_the_mode_ignores()
-        if self.dtype == "float64" and not jax.config.jax_enable_x64:
-            raise ConfigError("LoRA fit: dtype 'float64' needs jax_enable_x64 (set it before creating arrays)")
-        try:
-            self.llama_config()  # validates the model keys, naming them
-            if self.mode != "full":
-                self.lora_config().check_layers(self.num_hidden_layers)
-        except ConfigError:
-            raise
-        except ValueError as err:  # LlamaConfig / LoraConfig name the key
-            raise ConfigError(f"LoRA fit: {err}") from None
-
-    def _refuse_settings_the_mode_ignores(self) -> None:
-        """A setting the mode does not use must keep its default (:data:`USED_ONLY_IN`): mode ``"full"`` has no
-        adapters and no frozen base (its model starts from ``base`` or the engine's seed, not ``base_seed``), only
-        ``"qlora"`` quantises, and ``base_seed`` seeds only a random base (no ``base``). A changed one would be
-        silently ignored, so it is refused, by name."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        bad = []
-        for name, modes in USED_ONLY_IN.items():
-            value = getattr(self, name)
-            if name == "target_modules" and value == ("all-linear",):
-                value = "all-linear"
-            if self.mode not in modes and value != defaults[name]:
-                bad.append(f"'{name}' = {getattr(self, name)!r} (used in mode{'s' if len(modes) > 1 else ''} "
-                           f"{' and '.join(map(repr, modes))}; default {defaults[name]!r})")
-        if self.mode != "full" and self.base is not None and self.base_seed != defaults["base_seed"]:
-            bad.append(f"'base_seed' = {self.base_seed!r} (seeds a random base, used without 'base'; default "
-                       f"{defaults['base_seed']!r})")
-        if bad:
-            raise ConfigError(f"LoRA fit: {'; '.join(bad)} would be silently ignored in mode {self.mode!r}"
-                              f"{' with this base' if self.base is not None and self.mode != 'full' else ''}: leave "
-                              f"{'it' if len(bad) == 1 else 'them'} at the default or change 'mode'")
-
-    def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-                           rope_theta=self.rope_theta, max_position_embeddings=self.seq_len, vocab_size=VOCAB,
-                           num_hidden_layers=self.num_hidden_layers)
-
-    def lora_config(self) -> LoraConfig:
-        return LoraConfig(r=self.r, lora_alpha=self.lora_alpha, lora_dropout=float(self.lora_dropout),
-                          target_modules=self.target_modules,
-                          use_rslora=self.use_rslora, init_lora_weights=self.init_lora_weights)
+__all__ = ["LoraFit", "BlockPath", "resolve_path", "make_task", "load_base", "lora_mask", "stdlib_files",
+           "stdlib_bytes", "split_text", "window_batch", "train_starts", "MODES"]
+VOCAB = BYTE_VOCAB
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -240,28 +145,41 @@ def _join_projections(rest: dict, projs: list) -> dict:
 
 
 def load_base(fit: LoraFit, cfg: LlamaConfig) -> dict:
-    """The base model: the HF checkpoint directory ``fit.base`` (its config must equal the configured model), or
-    :func:`jaxgrad.lora.model.init` from ``fit.base_seed``."""
+    """The base model: the HF checkpoint folder ``fit.base`` (its config is ``cfg``: :meth:`LoraFit.llama_config`;
+    in mode ``"qlora"`` the projections are quantised to NF4 as they are read, so the dense model is never held
+    whole), or :func:`jaxgrad.lora.model.init` from ``fit.base_seed``."""
     dtype = jnp.dtype(fit.dtype)
     if fit.base is None:
         return init(jax.random.key(fit.base_seed), cfg, dtype)
     from jaxgrad.lora.hf import CheckpointError, load_hf_checkpoint
 
+    nf4 = fit.mode == "qlora"
     try:
-        ck_cfg, params = load_hf_checkpoint(fit.base, dtype=dtype)
-    except (FileNotFoundError, CheckpointError) as err:
+        _, params = load_hf_checkpoint(pathlib.Path(fit.base).expanduser(), dtype=dtype,
+                                       quantize="nf4" if nf4 else None, blocksize=fit.nf4_blocksize,
+                                       double_quant=fit.double_quant)
+    except (FileNotFoundError, NotADirectoryError, CheckpointError) as err:
         raise DataError(f"LoRA fit: 'base' {fit.base}: {err}") from None
-    diff = [f"{f.name}: checkpoint {getattr(ck_cfg, f.name)!r}, configured {getattr(cfg, f.name)!r}"
-            for f in dataclasses.fields(LlamaConfig) if getattr(ck_cfg, f.name) != getattr(cfg, f.name)]
-    if diff:
-        raise DataError(f"LoRA fit: 'base' checkpoint {fit.base} does not match the configured model: "
-                         + "; ".join(diff))
     return params
 
 
 def lora_mask(params: dict) -> dict:
     """The engine's ``trainable`` mask in LoRA modes: the adapters only."""
     return {"base": jax.tree.map(lambda _: False, params["base"]), "lora": jax.tree.map(lambda _: True, params["lora"])}
+
+
+def load_tokenizer_of(fit: LoraFit):
+    """The run's tokenizer (:meth:`LoraFit.tokenizer_path`), or ``None`` for byte-level text; a folder that cannot
+    be read raises :class:`~jaxgrad.train.errors.DataError` naming ``tokenizer``."""
+    path = fit.tokenizer_path()
+    if path is None:
+        return None
+    from jaxgrad.lora.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(pathlib.Path(path).expanduser())
+    except (FileNotFoundError, ValueError) as err:
+        raise DataError(f"LoRA fit: 'tokenizer' {path}: {err}") from None
 
 
 # ------------------------------------------------------------------------------------------------------------ task
@@ -272,23 +190,68 @@ def _sum_and_count(logits, batch):
     return causal_lm_loss(logits, batch["labels"], 1), jnp.sum(batch["n_items"])
 
 
-def make_task(fit: LoraFit, base_params: dict | None = None) -> Task:
+def _packing_args(batch) -> dict:
+    """``apply``'s ``positions`` / ``segment_ids`` (packed rows) or ``attention_mask`` (padded rows) of a batch."""
+    if "segment_ids" in batch:
+        return {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
+    if "attention_mask" in batch:
+        return {"attention_mask": batch["attention_mask"]}
+    return {}
+
+
+class _ByteData:
+    """The byte-level standard-library text (module docstring, "Data")."""
+
+    def __init__(self, fit: LoraFit):
+        self.fit = fit
+        self.train, self.held = split_text(stdlib_bytes(fit.files, fit.offset, fit.n_bytes), fit.held_out)
+        if len(self.train) < fit.seq_len or len(self.held) < fit.seq_len:
+            raise DataError(f"LoRA fit: 'n_bytes' = {fit.n_bytes} leaves {len(self.train)} train / {len(self.held)} "
+                            f"held-out bytes, fewer than 'seq_len' = {fit.seq_len}")
+        self.batches_per_epoch = max(1, len(self.train) // (fit.batch_size * fit.seq_len))
+        self.describe = (f"stdlib {fit.files!r} bytes {fit.offset}+{fit.n_bytes}: {len(self.train)} train / "
+                         f"{len(self.held)} held-out, batch {fit.batch_size} x {fit.seq_len}")
+
+    def batches(self, epoch):
+        f = self.fit
+        for i in range(self.batches_per_epoch):
+            yield window_batch(self.train, train_starts(len(self.train), f.seq_len, f.batch_size, f.data_seed, epoch,
+                                                        i), f.seq_len)
+
+    def eval_batches(self):
+        f = self.fit
+        starts = np.arange(0, len(self.held) - f.seq_len + 1, f.seq_len)
+        for i in range(0, len(starts), f.batch_size):
+            yield window_batch(self.held, starts[i:i + f.batch_size], f.seq_len)
+
+
+def _data(fit: LoraFit, tokenizer):
+    if tokenizer is None:
+        return _ByteData(fit)
+    from jaxgrad.lora.task_data import FileData
+
+    return FileData(fit, tokenizer)
+
+
+def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str = "custom_vjp",
+              device: tuple[str, str | None] | None = None) -> Task:
     """The :class:`~jaxgrad.train.Task`. ``base_params`` (LoRA modes): the frozen base (default
     :func:`load_base`); in ``"full"`` mode, the initial model (default: the checkpoint ``fit.base`` if given, else
-    ``init(key)`` of the engine's seed: training continues from a checkpoint)."""
-    cfg = fit.llama_config()
+    ``init(key)`` of the engine's seed: training continues from a checkpoint). ``grad_path`` (the engine's
+    ``train.grad_path``) and ``device`` (``(platform, compute capability)``, default JAX's first device) pick the
+    path (:func:`jaxgrad.lora.task_config.resolve_path`)."""
+    path = resolve_path(fit, grad_path, device)
+    tokenizer = load_tokenizer_of(fit)
+    cfg = fit.llama_config(None if tokenizer is None else tokenizer.vocab_size)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise DataError(f"LoRA fit: the tokenizer {fit.tokenizer_path()} has {tokenizer.vocab_size} tokens, more "
+                        f"than the model's vocab_size {cfg.vocab_size}")
     lcfg = None if fit.mode == "full" else fit.lora_config()
     dtype = jnp.dtype(fit.dtype)
-    train, held = split_text(stdlib_bytes(fit.files, fit.offset, fit.n_bytes), fit.held_out)
-    if len(train) < fit.seq_len or len(held) < fit.seq_len:
-        raise DataError(f"LoRA fit: 'n_bytes' = {fit.n_bytes} leaves {len(train)} train / {len(held)} held-out "
-                         f"bytes, fewer than 'seq_len' = {fit.seq_len}")
-    nb = max(1, len(train) // (fit.batch_size * fit.seq_len))
-
-    def batches(epoch):
-        for i in range(nb):
-            yield window_batch(train, train_starts(len(train), fit.seq_len, fit.batch_size, fit.data_seed, epoch, i),
-                               fit.seq_len)
+    data = _data(fit, tokenizer)
+    # the custom-VJP loss's attention; jax.grad of the reference block takes the same one, except the Pallas flash
+    # kernels (whose VJP is their own): there the plain attention is the A/B oracle
+    ref_attention = "xla" if path.attention == "pallas" else path.attention
 
     projs = None
     if fit.mode == "full":
@@ -297,109 +260,135 @@ def make_task(fit: LoraFit, base_params: dict | None = None) -> Task:
         def init_fn(key):
             return init(key, cfg, dtype) if start is None else start
 
-        def model(params, batch, backend, key=None):
-            return apply(params, None, batch["input_ids"], cfg, None, backend="reference", train_base=True)
+        def model(params, batch, backend, attention, key=None):
+            return apply(params, None, batch["input_ids"], cfg, None, backend="reference", attention=attention,
+                         train_base=True, **_packing_args(batch))
         trainable = None
     else:
         base = load_base(fit, cfg) if base_params is None else base_params
         if fit.mode == "qlora":
             from jaxgrad.lora.hf import quantize_projections
 
+            # a checkpoint is quantised as it is read (load_base); a random or given base here
             base, projs = _split_projections(quantize_projections(base, blocksize=fit.nf4_blocksize,
                                                                   double_quant=fit.double_quant))
+        adapter_dtype = jnp.dtype(fit.adapter_dtype_name())
 
         def init_fn(key):
-            return {"base": base, "lora": init_lora(key, cfg, lcfg, dtype)}
+            return {"base": base, "lora": init_lora(key, cfg, lcfg, adapter_dtype)}
 
-        def model(params, batch, backend, key=None):
+        def model(params, batch, backend, attention, key=None):
             b = params["base"] if projs is None else _join_projections(params["base"], projs)
-            return apply(b, params["lora"], batch["input_ids"], cfg, lcfg, backend=backend, dropout_key=key)
+            return apply(b, params["lora"], batch["input_ids"], cfg, lcfg, backend=backend, attention=attention,
+                         dropout_key=key, **_packing_args(batch))
         trainable = lora_mask
 
     def loss(params, batch, key=None):
         """``key``: the LoRA dropout key (``Task.loss_takes_key`` when ``lora_dropout > 0``); None: no dropout."""
-        return _sum_and_count(model(params, batch, "xla", key), batch)
+        return _sum_and_count(model(params, batch, path.backend, path.attention, key), batch)
 
     def reference_loss(params, batch, key=None):
-        return _sum_and_count(model(params, batch, "reference", key), batch)
+        return _sum_and_count(model(params, batch, "reference", ref_attention, key), batch)
 
-    eval_starts = np.arange(0, len(held) - fit.seq_len + 1, fit.seq_len)
     eval_sums = jax.jit(lambda params, batch: reference_loss(params, batch))  # no key: no dropout
 
     def evaluate(params):
         s = n = 0.0
-        for i in range(0, len(eval_starts), fit.batch_size):
-            si, ni = eval_sums(params, window_batch(held, eval_starts[i:i + fit.batch_size], fit.seq_len))
+        for batch in data.eval_batches():
+            si, ni = eval_sums(params, batch)
             s, n = s + float(si), n + float(ni)
         mean = s / n
         return {"heldout_loss": mean, "heldout_perplexity": math.exp(mean), "heldout_tokens": int(n)}
 
-    what = {"full": "trained from scratch", "lora": "frozen, LoRA", "qlora": "frozen NF4, QLoRA"}[fit.mode]
+    what = {"full": "trained from scratch" if fit.base is None else "trained on from the checkpoint",
+            "lora": "frozen, LoRA", "qlora": "frozen NF4, QLoRA"}[fit.mode]
     adapters = "" if lcfg is None else (f" r={lcfg.r} alpha={lcfg.lora_alpha}"
                                         + (f" dropout={lcfg.lora_dropout}" if lcfg.lora_dropout else "")
-                                        + f" on {[n for _, n in lcfg.targets]}")
-    return Task("lora", init=init_fn, loss=loss, reference_loss=reference_loss, batches=batches,
-                batches_per_epoch=nb, evaluate=evaluate, trainable=trainable,
+                                        + f" on {[n for _, n in lcfg.targets]}, adapters {fit.adapter_dtype_name()}")
+    source = "" if fit.base is None else f" from {fit.base}"
+    return Task("lora", init=init_fn, loss=loss, reference_loss=reference_loss, batches=data.batches,
+                batches_per_epoch=data.batches_per_epoch, evaluate=evaluate, trainable=trainable,
                 loss_takes_key=lcfg is not None and lcfg.lora_dropout > 0,
-                throughput_unit="tokens", throughput_count=lambda batch: int(np.size(batch["input_ids"])),
+                throughput_unit="tokens", throughput_count=_tokens_in,
                 describe=f"Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
-                         f"{cfg.num_key_value_heads} heads, inter {cfg.intermediate_size}, {fit.dtype}, base {what}"
-                         f"{adapters}; stdlib {fit.files!r} bytes {fit.offset}+{fit.n_bytes}: {len(train)} train / "
-                         f"{len(held)} held-out, batch {fit.batch_size} x {fit.seq_len}")
+                         f"{cfg.num_key_value_heads} heads, inter {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
+                         f"{fit.dtype}, base {what}{source}{adapters}; path: "
+                         f"{path.describe(fit.gradient_checkpointing)}; data: {data.describe}")
+
+
+def _tokens_in(batch) -> int:
+    """Tokens a batch trains on: every position of byte windows, the real (non-padding) tokens of packed or
+    padded rows."""
+    if "attention_mask" in batch:
+        return int(np.sum(batch["attention_mask"]))
+    return int(np.size(batch["input_ids"]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # `jaxgrad train lora`
 # ----------------------------------------------------------------------------------------------------------------
 
+_ARCH = {"hidden_size": "int?", "num_hidden_layers": "int?", "num_attention_heads": "int?",
+         "num_key_value_heads": "int?", "intermediate_size": "int?", "rope_theta": "float?"}
 CLI_SCHEMA = {
-    "model": {"mode": ("str", "full", MODES), "hidden_size": ("int", 32), "num_hidden_layers": ("int", 2),
-              "num_attention_heads": ("int", 4), "num_key_value_heads": ("int", 2),
-              "intermediate_size": ("int", 64), "rope_theta": ("float", 10000.0), "seq_len": ("int", 32),
-              "dtype": ("str", "float32", ("float32", "float64", "bfloat16")), "base": ("str?", None),
+    "model": {"mode": ("str", "full", MODES), **{k: (kind, None) for k, kind in _ARCH.items()},
+              "seq_len": ("int", 32), "dtype": ("str", "float32", DTYPES),
+              "adapter_dtype": ("str?", None, DTYPES), "base": ("str?", None), "tokenizer": ("str?", None),
               "base_seed": ("int", 0), "r": ("int", 4), "lora_alpha": ("float", 8.0), "lora_dropout": ("float", 0.0),
               "target_modules": ("strs|str", ["all-linear"]), "use_rslora": ("bool", False),
-              "nf4_blocksize": ("int", 64), "double_quant": ("bool", False)},
-    "data": {"files": ("str", "*.py"), "offset": ("int", 0), "n_bytes": ("int", 65536), "held_out": ("float", 0.1),
+              "nf4_blocksize": ("int", 64), "double_quant": ("bool", False),
+              "backend": ("str", "auto", BACKENDS), "attention": ("str", "auto", ATTENTIONS),
+              "gradient_checkpointing": ("str", "none")},
+    "data": {"path": ("str?", None), "format": ("str?", None, DATA_FORMATS), "eval_path": ("str?", None),
+             "packing": ("bool", True), "completion_only": ("bool", True), "assistant_only": ("bool", True),
+             "files": ("str", "*.py"), "offset": ("int", 0), "n_bytes": ("int", 65536), "held_out": ("float", 0.1),
              "batch_size": ("int", 8), "seed": ("int", 0)},
 }
 CLI_TRAIN_DEFAULTS = {"optimizer": "adam", "lr": 3e-3, "steps": 200, "log_every": 10, "checkpoint_every": 100}
-CLI_FIXED = {"model": tuple(k for k in CLI_SCHEMA["model"]), "data": "*"}
+#: keys that may change on --resume: the code path, not the model, the data or the optimiser state
+CLI_RESUMABLE = ("backend", "attention", "gradient_checkpointing")
+CLI_FIXED = {"model": tuple(k for k in CLI_SCHEMA["model"] if k not in CLI_RESUMABLE), "data": "*"}
 CLI_OUTPUTS = ("model", "adapter")
 
 
 def needs_x64(cfg: dict) -> bool:
-    return cfg["model"]["dtype"] == "float64"
+    return "float64" in (cfg["model"]["dtype"], cfg["model"]["adapter_dtype"])
 
 
 def fit_from_config(cfg: dict) -> LoraFit:
     m, d = cfg["model"], cfg["data"]
     tm = m["target_modules"]
-    return LoraFit(mode=m["mode"], hidden_size=m["hidden_size"], num_hidden_layers=m["num_hidden_layers"],
-                   num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_key_value_heads"],
-                   intermediate_size=m["intermediate_size"], rope_theta=float(m["rope_theta"]), seq_len=m["seq_len"],
-                   dtype=m["dtype"], base=m["base"], base_seed=m["base_seed"], r=m["r"],
-                   lora_alpha=float(m["lora_alpha"]), lora_dropout=float(m["lora_dropout"]),
+    return LoraFit(mode=m["mode"], **{k: m[k] for k in _ARCH}, seq_len=m["seq_len"], dtype=m["dtype"],
+                   adapter_dtype=m["adapter_dtype"], base=m["base"], tokenizer=m["tokenizer"],
+                   base_seed=m["base_seed"], r=m["r"], lora_alpha=float(m["lora_alpha"]),
+                   lora_dropout=float(m["lora_dropout"]),
                    target_modules=tm if isinstance(tm, str) else
                    tm[0] if len(tm) == 1 and tm[0] == "all-linear" else tuple(tm),
                    use_rslora=m["use_rslora"], nf4_blocksize=m["nf4_blocksize"], double_quant=m["double_quant"],
+                   backend=m["backend"], attention=m["attention"], gradient_checkpointing=m["gradient_checkpointing"],
+                   data_path=d["path"], data_format=d["format"], eval_path=d["eval_path"], packing=d["packing"],
+                   completion_only=d["completion_only"], assistant_only=d["assistant_only"],
                    files=d["files"], offset=d["offset"], n_bytes=d["n_bytes"], held_out=float(d["held_out"]),
                    batch_size=d["batch_size"], data_seed=d["seed"])
 
 
 def cli_task(cfg: dict, out, say):
     """``(task, finish)`` for ``jaxgrad train lora``. ``finish`` writes the trained model (``full``: an HF
-    checkpoint in ``out/model``) or adapter (PEFT's files in ``out/adapter``)."""
+    checkpoint in ``out/model``, with the tokenizer beside it) or adapter (PEFT's files in ``out/adapter``)."""
     fit = fit_from_config(cfg)
-    task = make_task(fit)
+    task = make_task(fit, grad_path=cfg["train"]["grad_path"])
 
     def finish(result):
         params = jax.device_get(result.state["params"])
         if fit.mode == "full":
             from jaxgrad.lora.hf import save_hf_checkpoint
 
+            tokenizer = load_tokenizer_of(fit)
+            vocab = None if tokenizer is None else tokenizer.vocab_size
             # out/model belongs to the run (--overwrite clears it): a resumed run rewrites it
-            path = save_hf_checkpoint(pathlib.Path(out) / "model", fit.llama_config(), params, overwrite=True)
+            path = save_hf_checkpoint(pathlib.Path(out) / "model", fit.llama_config(vocab), params, overwrite=True)
+            if tokenizer is not None:
+                tokenizer.save(path)
             return {"eval": result.eval, "model": str(path)}
         from jaxgrad.lora.peft import save_adapter
 

@@ -54,6 +54,16 @@ def fill_defaults(fam, cfg: dict) -> dict:
     return cfg
 
 
+def peak_device_memory() -> int | None:
+    """The peak bytes in use on this process's first device since it started (``memory_stats()``'s
+    ``peak_bytes_in_use``: GPUs report it), or ``None`` where the backend reports none (the CPU)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else int(peak)
+
+
 def owned_entries(fam) -> tuple[str, ...]:
     return (rundir.RUN_FILE, CONFIG_FILE, METRICS_FILE, CSV_FILE, TB_DIR, "checkpoints", SUMMARY_FILE,
             *fam.CLI_OUTPUTS)
@@ -181,16 +191,20 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
         rate = f"{res.throughput.get('unit', 'items')}_per_s"
         if thr.get(rate) is None:  # nothing trained by this process: keep the rate the run's summary had
             thr[rate] = _previous_summary(out).get(rate)
+        peak = peak_device_memory()
         summary = {"family": family, "step": res.step, "final_loss": res.final_loss, "skipped_steps": res.skipped,
                    **thr, "wall_s_this_process": time.perf_counter() - t0, "device": str(jax.devices()[0]),
-                   "config": cfg, **extra}
+                   "peak_device_memory_bytes": peak, "config": cfg, **extra}
         write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=1, default=str) + "\n")
         log_end(out, res, skipped_steps=res.skipped)
         ev = summary.get("eval") or {}
         ev_txt = ", ".join(f"{k} {v:.4g}" for k, v in ev.items() if isinstance(v, float))
         skip_txt = f"; {res.skipped} step(s) skipped (non-finite)" if res.skipped else ""
-        print(f"done: step {res.step}, final loss {res.final_loss}{skip_txt}{'; ' + ev_txt if ev_txt else ''}; "
-              f"wrote {out / SUMMARY_FILE}", flush=True)
+        rate_txt = f"; {thr[rate]:.4g} {rate.replace('_per_s', '')}/s" if thr.get(rate) else ""
+        mem_txt = (f"; peak device memory {peak / 2**30:.2f} GiB" if peak is not None
+                   else "; peak device memory not reported by this backend")
+        print(f"done: step {res.step}, final loss {res.final_loss}{skip_txt}{'; ' + ev_txt if ev_txt else ''}"
+              f"{rate_txt}{mem_txt}; wrote {out / SUMMARY_FILE}", flush=True)
         return 0
     except (ConfigError, rundir.RunDirError, CheckpointMismatchError, NoGoodCheckpointError) as err:
         if not started and not resuming and owned:
