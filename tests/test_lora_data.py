@@ -442,3 +442,27 @@ def test_reading_writes_nothing_under_home(tmp_path):
     code = f"from jaxgrad.lora.data import read_records; assert len(read_records({str(tmp_path / 't.jsonl')!r})) == 3"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=tmp_path)
     assert list(home.rglob("*")) == []
+
+
+def test_a_text_file_is_read_by_line_paragraph_or_document(tmp_path):
+    (tmp_path / "t.txt").write_text("one fox\ntwo dogs\n\nthree cats\n")
+    assert [r["text"] for r in read_records(tmp_path / "t.txt")] == ["one fox", "two dogs", "", "three cats"]
+    assert [r["text"] for r in read_records(tmp_path / "t.txt", sample_by="paragraph")] == \
+        ["one fox\ntwo dogs", "three cats\n"]
+    assert [r["text"] for r in read_records(tmp_path / "t.txt", sample_by="document")] == \
+        ["one fox\ntwo dogs\n\nthree cats\n"]
+
+
+def test_the_held_out_batches_hold_every_row_once_and_empty_rows_fill_the_last(tmp_path, tok):
+    write_jsonl(tmp_path / "t.jsonl", text_records(7))
+    data = build_sft_data(tmp_path / "t.jsonl", tok, seq_len=32, batch_size=3, packing=False,
+                          eval_path=tmp_path / "t.jsonl")
+    batches = list(data.eval_batches())
+    assert len(batches) == 3 and all(b["input_ids"].shape == (3, 32) for b in batches)
+    np.testing.assert_array_equal(np.concatenate([b["labels"] for b in batches])[:7], data.eval.labels)
+    last = batches[-1]
+    assert last["n_items"][1:].tolist() == [0, 0] and not last["attention_mask"][1:].any()
+    assert (last["labels"][1:] == IGNORE_INDEX).all() and (last["input_ids"][1:] == tok.pad_token_id).all()
+    stats = json.loads(json.dumps(data.stats.as_dict()))
+    assert stats["eval"]["rows"] == 7 and stats["train"]["loss_tokens"] == int(data.train.n_items.sum())
+    assert 0 < stats["train"]["fill"] < 1 and stats["shape"] == "text"

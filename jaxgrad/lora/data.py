@@ -4,7 +4,7 @@ Files: a file, a folder (every file in it and below, hidden ones skipped; ``patt
 absolute, relative or ``~``; one format per read, from the extension: ``.jsonl`` / ``.json`` / ``.ndjson`` (JSON
 lines or one JSON list of objects), ``.parquet``, ``.csv``, ``.txt`` (one record per line by default,
 ``sample_by="paragraph" | "document"``). They are read by the ``datasets`` library (its ``json`` / ``parquet`` /
-``csv`` / ``text`` builders, local files only, its cache in a temporary folder).
+``csv`` / ``text`` builders over the local files: no network, its cache in a temporary folder).
 
 Record shapes (TRL's dataset types), found from the columns or forced with ``format``:
 
@@ -98,10 +98,9 @@ def find_data_files(path, *, pattern: str | None = None, file_format: str | None
 
 def _load_with_datasets(files: Sequence[pathlib.Path], file_format: str, key: str, sample_by: str
                         ) -> tuple[list[str], list[dict]]:
-    """``(columns, records)`` of ``files`` through ``datasets.load_dataset``: local files, no network, the cache
-    in a temporary folder that is removed after reading."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """``(columns, records)`` of ``files`` through ``datasets.load_dataset``: the packaged builder of the format
+    over local files (no Hub look-up, so no network), its cache in a temporary folder removed after reading (not
+    ``~/.cache/huggingface``), progress bars off while it runs."""
     import datasets
 
     kwargs = {"sample_by": sample_by} if file_format == "text" else {}

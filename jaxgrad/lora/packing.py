@@ -125,15 +125,14 @@ def pack_bfd(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedRows:
-    """Rows of ``seq_len`` tokens (module docstring): the five ``[n_rows, seq_len]`` int32 arrays of
-    :data:`ROW_FIELDS`, ``n_items [n_rows]`` int32, and ``sources``: per row, the ``source`` (record index) of
-    each of its segments, in row order."""
+    """Rows of ``seq_len`` tokens (module docstring). Held: ``input_ids`` and ``labels`` ``[n_rows, seq_len]``
+    int32, ``n_items [n_rows]`` int32, and per row the ``lengths`` of its segments and their ``sources`` (the record
+    index of each), in row order. ``positions``, ``segment_ids`` and ``attention_mask`` follow from the lengths:
+    :meth:`rows` builds them for the rows of a batch (the properties, for all rows)."""
     input_ids: np.ndarray
     labels: np.ndarray
-    positions: np.ndarray
-    segment_ids: np.ndarray
-    attention_mask: np.ndarray
     n_items: np.ndarray
+    lengths: tuple[tuple[int, ...], ...]
     sources: tuple[tuple[int, ...], ...]
     pad_id: int
 
@@ -145,9 +144,35 @@ class PackedRows:
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def layout(self, index) -> dict:
+        """``positions``, ``segment_ids`` and ``attention_mask`` ``[len(index), seq_len]`` of rows ``index``."""
+        index = np.asarray(index)
+        out = {f: np.zeros((len(index), self.seq_len), np.int32) for f in ROW_FIELDS[2:]}
+        for b, r in enumerate(index.tolist()):
+            t = 0
+            for s, n in enumerate(self.lengths[r], start=1):
+                out["positions"][b, t:t + n] = np.arange(n)
+                out["segment_ids"][b, t:t + n] = s
+                t += n
+            out["attention_mask"][b, :t] = 1
+        return out
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.layout(np.arange(self.n_rows))["positions"]
+
+    @property
+    def segment_ids(self) -> np.ndarray:
+        return self.layout(np.arange(self.n_rows))["segment_ids"]
+
+    @property
+    def attention_mask(self) -> np.ndarray:
+        return self.layout(np.arange(self.n_rows))["attention_mask"]
+
     def rows(self, index) -> dict:
-        """``{field: array[index]}`` for the row fields and ``n_items`` (``index``: an int array)."""
-        return {**{f: getattr(self, f)[index] for f in ROW_FIELDS}, "n_items": self.n_items[index]}
+        """The batch of rows ``index`` (an int array): the :data:`ROW_FIELDS` and ``n_items``."""
+        return {"input_ids": self.input_ids[index], "labels": self.labels[index], **self.layout(index),
+                "n_items": self.n_items[index]}
 
     def epoch_order(self, epoch: int, seed: int) -> np.ndarray:
         """The row order of ``epoch``: ``default_rng([seed, epoch]).permutation(n_rows)``."""
@@ -178,11 +203,11 @@ class PackedRows:
             yield batch
 
     def real_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        return int(sum(sum(row) for row in self.lengths))
 
     def describe(self) -> str:
         """One line: rows, segments per row, fill, counted labels."""
-        per_row = np.array([len(s) for s in self.sources])
+        per_row = np.array([len(s) for s in self.lengths])
         fill = self.real_tokens() / max(1, self.input_ids.size)
         return (f"{self.n_rows} rows x {self.seq_len} tokens, {per_row.sum()} segments "
                 f"({per_row.mean() if len(per_row) else 0:.2f} per row, max {per_row.max(initial=0)}), "
@@ -206,24 +231,24 @@ def assemble_rows(examples: Sequence[Example], row_segments: Sequence[Sequence[i
                   pad_id: int) -> PackedRows:
     """The rows whose segments are ``examples[i]`` for ``i`` in each entry of ``row_segments``."""
     n = len(row_segments)
-    out = empty_rows(n, seq_len, pad_id)
+    input_ids = np.full((n, seq_len), pad_id, np.int32)
+    labels = np.full((n, seq_len), IGNORE_INDEX, np.int32)
     for r, segs in enumerate(row_segments):
         t = 0
-        for s, i in enumerate(segs, start=1):
+        for i in segs:
             ids, mask = examples[i].ids, examples[i].loss_mask
             end = t + len(ids)
             if end > seq_len:
                 raise ValueError(f"assemble_rows: row {r} holds {end} > seq_len = {seq_len} tokens")
-            out["input_ids"][r, t:end] = ids
-            out["labels"][r, t:end] = np.where(mask, ids, IGNORE_INDEX)
-            out["labels"][r, t] = IGNORE_INDEX  # the first token of a segment: no loss across the boundary
-            out["positions"][r, t:end] = np.arange(len(ids))
-            out["segment_ids"][r, t:end] = s
-            out["attention_mask"][r, t:end] = 1
+            input_ids[r, t:end] = ids
+            labels[r, t + 1:end] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+            # labels[r, t] stays -100: a segment's first token is not predicted from the segment before it
             t = end
-    out["n_items"] = np.count_nonzero(out["labels"][:, 1:] != IGNORE_INDEX, axis=1).astype(np.int32)
+    n_items = np.count_nonzero(labels[:, 1:] != IGNORE_INDEX, axis=1).astype(np.int32)
+    lengths = tuple(tuple(len(examples[i].ids) for i in segs) for segs in row_segments)
     sources = tuple(tuple(int(examples[i].source) for i in segs) for segs in row_segments)
-    return PackedRows(**out, sources=sources, pad_id=pad_id)
+    return PackedRows(input_ids=input_ids, labels=labels, n_items=n_items, lengths=lengths, sources=sources,
+                      pad_id=pad_id)
 
 
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int, *, packing: bool = True) -> PackedRows:
