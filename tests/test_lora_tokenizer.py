@@ -7,6 +7,7 @@ Every test uses a byte-level BPE trained here on a few hundred generated lines (
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -151,6 +152,9 @@ def test_tokenizer_is_immutable(tok):
         tok.eos_token = "<|end_of_text|>"
 
 
+USER = [{"role": "user", "content": "x"}]
+
+
 def write_dir(tmp, tok: Tokenizer, config: dict, **files: str):
     tok.backend.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps(config))
@@ -162,44 +166,65 @@ def write_dir(tmp, tok: Tokenizer, config: dict, **files: str):
 def test_config_tokens_as_added_token_dicts_and_a_named_default_template(tok, tmp_path):
     config = {"bos_token": {"content": "<|begin_of_text|>", "lstrip": False},
               "eos_token": {"content": "<|end_of_text|>"}, "pad_token": None,
-              "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}]}
+              "chat_template": [{"name": "tool_use", "template": "T"},
+                                {"name": "default", "template": "D{{ eos_token }}"}]}
     t = load_tokenizer(write_dir(tmp_path, tok, config))
     assert (t.bos_token, t.eos_token, t.pad_token, t.pad_token_id) == ("<|begin_of_text|>", "<|end_of_text|>", None,
                                                                        None)
     assert t.eos_token_id == tok.backend.token_to_id("<|end_of_text|>")
-    assert t.apply_chat_template([]) == "D<|end_of_text|>"
+    assert t.apply_chat_template(USER) == "D<|end_of_text|>"
+    assert t.apply_chat_template(USER, chat_template="tool_use") == "T"
+    assert t.apply_chat_template(USER, tools=[{"name": "f"}]) == "T"  # transformers takes "tool_use" with tools
 
 
 def test_chat_template_jinja_file_takes_precedence_over_the_config(tok, tmp_path):
     config = {"bos_token": "<|begin_of_text|>", "chat_template": "from the config"}
     t = load_tokenizer(write_dir(tmp_path, tok, config, chat_template__jinja="from the file {{ bos_token }}"))
-    assert t.apply_chat_template([]) == "from the file <|begin_of_text|>"
+    assert t.apply_chat_template(USER) == "from the file <|begin_of_text|>"
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "rag.jinja").write_text("rag {{ messages | length }}")
+    t = load_tokenizer(tmp_path)
+    assert t.apply_chat_template(USER) == "from the file <|begin_of_text|>"
+    assert t.apply_chat_template(USER, chat_template="rag") == "rag 1"
+    # saving over the directory rewrites the template files, which would otherwise override the saved config
+    tok.save(tmp_path)
+    back = load_tokenizer(tmp_path)
+    assert back.chat_template == LLAMA3_CHAT_TEMPLATE and back.chat_templates == ()
+    assert not (tmp_path / "additional_chat_templates" / "rag.jinja").exists()
 
 
-def test_special_tokens_map_fills_only_what_the_config_leaves_unset(tok, tmp_path):
-    config = {"eos_token": "<|eot_id|>"}
+def test_special_tokens_map_is_read_beside_a_config_without_added_tokens_decoder(tok, tmp_path):
     special = json.dumps({"eos_token": "<|end_of_text|>", "pad_token": {"content": "<|finetune_right_pad_id|>"}})
-    t = load_tokenizer(write_dir(tmp_path, tok, config, special_tokens_map__json=special))
-    assert t.eos_token == "<|eot_id|>" and t.pad_token == "<|finetune_right_pad_id|>" and t.bos_token is None
+    t = load_tokenizer(write_dir(tmp_path, tok, {"eos_token": "<|eot_id|>"}, special_tokens_map__json=special))
+    assert t.eos_token == "<|end_of_text|>" and t.pad_token == "<|finetune_right_pad_id|>" and t.bos_token is None
+    t = load_tokenizer(write_dir(tmp_path, tok, {"eos_token": "<|eot_id|>", "added_tokens_decoder": {}},
+                                 special_tokens_map__json=special))
+    assert t.eos_token == "<|eot_id|>" and t.pad_token is None
 
 
-def test_add_bos_and_add_eos_flags_rebuild_the_post_processor(tok, tmp_path):
+def test_encode_follows_tokenizer_json_and_warns_on_a_disagreeing_bos_eos_flag(tok, tmp_path):
     text = "green apples"
-    plain = tok.encode(text, add_special_tokens=False)
+    expected = [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
     base = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
-    no_bos = load_tokenizer(write_dir(tmp_path, tok, {**base, "add_bos_token": False}))
-    assert no_bos.encode(text) == plain
-    both = load_tokenizer(write_dir(tmp_path, tok, {**base, "add_bos_token": True, "add_eos_token": True}))
-    assert both.encode(text) == [tok.bos_token_id] + plain + [tok.eos_token_id]
-    untouched = load_tokenizer(write_dir(tmp_path, tok, base))
-    assert untouched.encode(text) == [tok.bos_token_id] + plain  # tokenizer.json's own post-processor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        agreeing = load_tokenizer(write_dir(tmp_path, tok, {**base, "add_bos_token": True, "add_eos_token": False}))
+    assert agreeing.encode(text) == expected
+    with pytest.warns(UserWarning, match="add_bos_token=False but tokenizer.json's post-processor adds that token"):
+        no_bos = load_tokenizer(write_dir(tmp_path, tok, {**base, "add_bos_token": False}))
+    assert no_bos.encode(text) == expected
+    with pytest.warns(UserWarning, match="add_eos_token=True but tokenizer.json's post-processor does not add"):
+        eos = load_tokenizer(write_dir(tmp_path, tok, {**base, "add_eos_token": True}))
+    assert eos.encode(text) == expected
 
 
-def test_clean_up_tokenization_spaces_is_applied_when_the_config_asks(tok, tmp_path):
+def test_clean_up_tokenization_spaces_spares_byte_level_bpe(tok, tmp_path):
     ids = tok.encode("it 's true , yes .", add_special_tokens=False)
-    assert tok.decode(ids) == "it 's true , yes ."
     t = load_tokenizer(write_dir(tmp_path, tok, {"clean_up_tokenization_spaces": True}))
-    assert t.decode(ids) == "it's true, yes."
+    assert t.decode(ids) == "it 's true , yes ."  # Llama 3 sets the flag; transformers 5 ignores it for BPE
+    forced = {"clean_up_tokenization_spaces": True,
+              "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}
+    assert load_tokenizer(write_dir(tmp_path, tok, forced)).decode(ids) == "it's true, yes."
 
 
 def test_missing_files_and_bad_configs_are_named(tok, tmp_path):
@@ -212,8 +237,13 @@ def test_missing_files_and_bad_configs_are_named(tok, tmp_path):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.model").unlink()
     listed = {"chat_template": [{"name": "rag", "template": "R"}, {"name": "tool_use", "template": "T"}]}
-    with pytest.raises(ValueError, match=r"named templates \['rag', 'tool_use'\] without a 'default'"):
-        load_tokenizer(write_dir(tmp_path, tok, listed))
+    no_default = load_tokenizer(write_dir(tmp_path, tok, listed))
+    assert no_default.encode("x") == tok.encode("x")  # the tokenizer itself is fine
+    with pytest.raises(ValueError, match=r"named templates \['rag', 'tool_use'\] and no 'default'"):
+        no_default.apply_chat_template(USER)
+    assert no_default.apply_chat_template(USER, chat_template="rag") == "R"
+    with pytest.raises(ValueError, match=r"chat_template list entries must be \{'name': str, 'template': str\}"):
+        load_tokenizer(write_dir(tmp_path, tok, {"chat_template": [{"name": "default"}]}))
     with pytest.raises(ValueError, match="bos_token: '<s>' is not in the tokenizer's vocabulary"):
         load_tokenizer(write_dir(tmp_path, tok, {"bos_token": "<s>"}))
     with pytest.raises(ValueError, match="eos_token: expected a string or an AddedToken dict"):
@@ -261,7 +291,7 @@ def test_the_environment_is_transformers_one():
 
 
 def test_keywords_override_special_tokens_and_continue_final_message(tok):
-    assert tok.apply_chat_template([], chat_template="{{ bos_token }}|{{ eos_token }}", eos_token="E") == \
+    assert tok.apply_chat_template(USER, chat_template="{{ bos_token }}|{{ eos_token }}", eos_token="E") == \
         "<|begin_of_text|>|E"
     partial = CONVERSATION[:2] + [{"role": "assistant", "content": "Green "}]
     text = tok.apply_chat_template(partial, continue_final_message=True)
@@ -273,6 +303,8 @@ def test_keywords_override_special_tokens_and_continue_final_message(tok):
 def test_messages_must_be_a_list_of_role_dicts(tok):
     with pytest.raises(TypeError, match="messages: expected a list of messages"):
         tok.apply_chat_template("hello")
+    with pytest.raises(ValueError, match="messages: the conversation is empty"):
+        tok.apply_chat_template([])
     with pytest.raises(TypeError, match=r"messages\[1\]: expected a dict with a 'role'"):
         tok.tokenize_chat([{"role": "user", "content": "a"}, {"content": "b"}])
 

@@ -1,23 +1,27 @@
 r"""Hugging Face tokenizers from a local directory, and chat templates rendered as transformers renders them.
 
 A tokenizer directory holds ``tokenizer.json`` (the fast tokenizer: read with ``tokenizers.Tokenizer.from_file``)
-and usually ``tokenizer_config.json``: the special tokens (``bos_token``, ``eos_token``, ``pad_token``, ... as strings
-or AddedToken dicts ``{"content": ...}``), ``chat_template`` (a string, or a list of ``{"name", "template"}`` of which
-``"default"`` is used), ``add_bos_token`` / ``add_eos_token`` and ``clean_up_tokenization_spaces``. A
-``chat_template.jinja`` beside them (transformers >= 4.43 saves the template there) replaces the config's template,
-as transformers does. ``special_tokens_map.json`` (older saves) fills only the special tokens the config leaves unset.
+and usually ``tokenizer_config.json``. Both are read as transformers 5 reads them:
+
+* special tokens: ``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``, ... as strings or AddedToken dicts
+  ``{"content": ...}``; each must be in the vocabulary. ``special_tokens_map.json`` is read only when the config has
+  no ``added_tokens_decoder`` (older saves), and then its tokens win;
+* chat templates: ``chat_template.jinja`` (the default) and ``additional_chat_templates/<name>.jinja``, where
+  present, replace the config's ``chat_template``, which is a string or a list of ``{"name", "template"}``. With
+  several, "default" is used, "tool_use" when ``tools`` are given; without a "default", rendering without a named
+  template is refused by name;
+* ``encode`` adds what ``tokenizer.json``'s post-processor adds (Llama 3: the BOS): the config's ``add_bos_token`` /
+  ``add_eos_token`` are not applied (transformers 5 drops them where a ``tokenizer.json`` exists); a flag that
+  disagrees with the post-processor is warned about;
+* ``clean_up_tokenization_spaces`` applies to non-BPE models only (for byte-level BPE, Llama 3's, transformers 5
+  ignores it: it would strip real spaces before punctuation).
+
 A slow, sentencepiece-only directory (``tokenizer.model`` without ``tokenizer.json``) is refused: convert it once
 with transformers (``AutoTokenizer.from_pretrained(d).save_pretrained(d)`` writes ``tokenizer.json``).
 
-Chat templates are rendered as ``transformers``' ``apply_chat_template(..., tokenize=False)``: a Jinja
-``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the ``loopcontrols`` extension, the
-globals ``raise_exception`` (raises ``jinja2.TemplateError``) and ``strftime_now(format)``, a ``tojson`` filter that
-is ``json.dumps`` (no HTML escaping; ``indent``, ``separators``, ``sort_keys``, ``ensure_ascii=False``), and the
-variables ``messages``, ``tools`` (``None`` unless given), ``documents`` (likewise), ``add_generation_prompt``, the
-special tokens (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``, ... as strings, where set) and any further
-keyword (``date_string=...``, ``enable_thinking=...``), a keyword overriding a special token of the same name.
-Tokenizing a rendered chat adds no special tokens (the template writes ``<|begin_of_text|>`` itself; adding the BOS
-again would double it), as transformers does.
+Chat templates are rendered by :mod:`jaxgrad.lora.chat_template` as transformers renders them. Tokenizing a rendered
+chat adds no special tokens (the template writes ``<|begin_of_text|>`` itself; adding the BOS again would double
+it), as transformers does.
 
 Assistant masks (:meth:`Tokenizer.tokenize_chat`): templates such as Llama 3's have no ``{% generation %}`` tags, so
 the assistant spans are found by prefix rendering. For each assistant message ``k`` of ``messages``::
@@ -43,8 +47,10 @@ import functools
 import json
 import os
 import pathlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from jaxgrad.lora.chat_template import LLAMA3_CHAT_TEMPLATE, check_messages, render_chat_template
 
 __all__ = [
     "LLAMA3_CHAT_TEMPLATE",
@@ -52,6 +58,7 @@ __all__ = [
     "TOKENIZER_FILE",
     "TOKENIZER_CONFIG_FILE",
     "CHAT_TEMPLATE_FILE",
+    "CHAT_TEMPLATE_DIR",
     "SPECIAL_TOKENS_MAP_FILE",
     "Tokenizer",
     "load_tokenizer",
@@ -62,6 +69,7 @@ __all__ = [
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 
@@ -88,213 +96,6 @@ LLAMA3_SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# The chat template of Llama-3.1-8B-Instruct's tokenizer_config.json, as Meta ships it (two lines run past 120
-# columns: the text is kept byte for byte).
-LLAMA3_CHAT_TEMPLATE = r"""{{- bos_token }}
-{%- if custom_tools is defined %}
-    {%- set tools = custom_tools %}
-{%- endif %}
-{%- if not tools_in_user_message is defined %}
-    {%- set tools_in_user_message = true %}
-{%- endif %}
-{%- if not date_string is defined %}
-    {%- set date_string = "26 Jul 2024" %}
-{%- endif %}
-{%- if not tools is defined %}
-    {%- set tools = none %}
-{%- endif %}
-
-{#- This block extracts the system message, so we can slot it into the right place. #}
-{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = "" %}
-{%- endif %}
-
-{#- System message + builtin tools #}
-{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
-{%- if builtin_tools is defined or tools is not none %}
-    {{- "Environment: ipython\n" }}
-{%- endif %}
-{%- if builtin_tools is defined %}
-    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\n\n"}}
-{%- endif %}
-{{- "Cutting Knowledge Date: December 2023\n" }}
-{{- "Today Date: " + date_string + "\n\n" }}
-{%- if tools is not none and not tools_in_user_message %}
-    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-{%- endif %}
-{{- system_message }}
-{{- "<|eot_id|>" }}
-
-{#- Custom tools are passed in a user message with some extra guidance #}
-{%- if tools_in_user_message and not tools is none %}
-    {#- Extract the first user message so we can plug it in here #}
-    {%- if messages | length != 0 %}
-        {%- set first_user_message = messages[0]['content']|trim %}
-        {%- set messages = messages[1:] %}
-    {%- else %}
-        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
-{%- endif %}
-    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
-    {{- "Given the following functions, please respond with a JSON for a function call " }}
-    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-    {{- first_user_message + "<|eot_id|>"}}
-{%- endif %}
-
-{%- for message in messages %}
-    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
-        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
-    {%- elif 'tool_calls' in message %}
-        {%- if not message.tool_calls|length == 1 %}
-            {{- raise_exception("This model only supports single tool-calls at once!") }}
-        {%- endif %}
-        {%- set tool_call = message.tool_calls[0].function %}
-        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
-            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
-            {%- for arg_name, arg_val in tool_call.arguments | items %}
-                {{- arg_name + '="' + arg_val + '"' }}
-                {%- if not loop.last %}
-                    {{- ", " }}
-                {%- endif %}
-                {%- endfor %}
-            {{- ")" }}
-        {%- else  %}
-            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-            {{- '{"name": "' + tool_call.name + '", ' }}
-            {{- '"parameters": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- "}" }}
-        {%- endif %}
-        {%- if builtin_tools is defined %}
-            {#- This means we're in ipython mode #}
-            {{- "<|eom_id|>" }}
-        {%- else %}
-            {{- "<|eot_id|>" }}
-        {%- endif %}
-    {%- elif message.role == "tool" or message.role == "ipython" %}
-        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
-        {%- if message.content is mapping or message.content is iterable %}
-            {{- message.content | tojson }}
-        {%- else %}
-            {{- message.content }}
-        {%- endif %}
-        {{- "<|eot_id|>" }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
-{%- endif %}
-"""
-
-
-# ------------------------------------------------------------------------------------------------ templates
-
-
-@functools.lru_cache(maxsize=32)
-def _compile_chat_template(template: str):
-    """The template compiled in transformers' environment (cached: a conversation is rendered many times)."""
-    import datetime
-
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # json.dumps as is: Jinja's own tojson escapes <, >, & and ' for HTML, which a prompt must not get.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format):
-        return datetime.datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as err:
-        raise ValueError(f"chat_template: not a valid Jinja template (line {err.lineno}: {err.message})") from err
-
-
-def _check_messages(messages, name: str = "messages") -> list:
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise TypeError(f"{name}: expected a list of messages (dicts with 'role' and 'content'), got "
-                        f"{type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or "role" not in message:
-            raise TypeError(f"{name}[{i}]: expected a dict with a 'role' (and 'content'), got {message!r:.80}")
-    return list(messages)
-
-
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = False,
-                         continue_final_message: bool = False, **variables: Any) -> str:
-    """Render ``template`` over ``messages`` as transformers' ``apply_chat_template(tokenize=False)`` does.
-
-    ``variables`` are the template's further variables (the special tokens, ``tools``, ``date_string``, ...);
-    ``tools`` and ``documents`` are ``None`` unless given (a template sees them defined, as in transformers). Tools
-    must be JSON-schema dicts. ``continue_final_message`` cuts the rendering after the last message's content (so a
-    model continues it), as transformers does; it excludes ``add_generation_prompt``.
-    """
-    import jinja2
-
-    messages = _check_messages(messages)
-    if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message and add_generation_prompt exclude each other: the first continues "
-                         "the last message, the second opens a new assistant turn")
-    tools = variables.pop("tools", None)
-    if tools is not None:
-        for i, tool in enumerate(tools):
-            if not isinstance(tool, Mapping):
-                raise TypeError(f"tools[{i}]: expected a JSON-schema dict, got {type(tool).__name__}")
-    documents = variables.pop("documents", None)
-    compiled = _compile_chat_template(template)
-    try:
-        rendered = compiled.render(messages=messages, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt, **variables)
-    except jinja2.TemplateError as err:
-        raise ValueError(f"chat_template: rendering {len(messages)} message(s) failed: "
-                         f"{type(err).__name__}: {err}") from err
-    if continue_final_message:
-        rendered = _cut_after_final_message(rendered, messages)
-    return rendered
-
-
-def _cut_after_final_message(rendered: str, messages: list) -> str:
-    if not messages:
-        raise ValueError("continue_final_message: the conversation has no message to continue")
-    final = messages[-1].get("content")
-    if isinstance(final, (list, tuple)):
-        texts = [block["text"] for block in final if isinstance(block, Mapping) and "text" in block]
-        if not texts:
-            raise ValueError("continue_final_message: the final message has no text block to continue")
-        final = texts[-1]
-    if not isinstance(final, str) or final.strip() not in rendered:
-        raise ValueError("continue_final_message: the final message's content does not appear in the rendering "
-                         "(the template alters it)")
-    at = rendered.rindex(final.strip())
-    if rendered[at: at + len(final.lstrip())] == final:
-        return rendered[: at + len(final.lstrip())]
-    return rendered[: at + len(final.strip())]  # the template trimmed trailing space off the message
-
-
 def _token_content(value, where: str) -> str | None:
     if value is None:
         return None
@@ -313,8 +114,7 @@ class Tokenizer:
     """A fast (``tokenizers``) tokenizer with the special tokens and the chat template of its directory.
 
     Immutable after :func:`load_tokenizer` / :func:`train_bpe_tokenizer`: ``backend`` is this object's own
-    ``tokenizers.Tokenizer`` (its post-processor set from ``add_bos_token`` / ``add_eos_token`` where the config gives
-    them); do not modify it. ``vocab_size`` counts the added tokens
+    ``tokenizers.Tokenizer``; do not modify it. ``vocab_size`` counts the added tokens
     (``backend.get_vocab_size(with_added_tokens=True)``).
     """
 
@@ -323,8 +123,12 @@ class Tokenizer:
     eos_token: str | None = None
     pad_token: str | None = None
     chat_template: str | None = None
-    # every special token transformers would pass to a chat template (SPECIAL_TOKEN_KEYS, additional_special_tokens)
-    template_tokens: tuple[tuple[str, Any], ...] = ()
+    # named templates ((name, template), ...) where the directory has several: "default" is ``chat_template``,
+    # "tool_use" is taken when tools are given, any other by ``apply_chat_template(..., chat_template=name)``
+    chat_templates: tuple[tuple[str, str], ...] = ()
+    # the special tokens transformers passes to a chat template (SPECIAL_TOKEN_KEYS that are set)
+    template_tokens: tuple[tuple[str, str], ...] = ()
+    # decode() removes spaces before punctuation (transformers 5 does so only for non-BPE models)
     clean_up_tokenization_spaces: bool = False
     # tokenizer_config.json as read (a JSON string, so the object stays immutable); save() writes it back updated
     config_json: str = "{}"
@@ -374,15 +178,34 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
         """The conversation rendered by this tokenizer's chat template, as transformers'
         ``apply_chat_template(messages, tokenize=False, ...)`` renders it. ``kwargs`` reach the template (``tools``,
-        ``date_string``, ...), plus ``continue_final_message`` and ``chat_template`` (another template string)."""
-        template = kwargs.pop("chat_template", None) or self.chat_template
-        if template is None:
-            raise ValueError("chat_template: this tokenizer has none (tokenizer_config.json has no 'chat_template' "
-                             "and there is no chat_template.jinja); pass chat_template=... or use a chat model's "
-                             "tokenizer")
+        ``date_string``, ...), plus ``continue_final_message`` and ``chat_template`` (a template's name or text)."""
+        messages = check_messages(messages)
+        if not messages:
+            raise ValueError("messages: the conversation is empty (at least one message is needed)")
+        template = self._select_template(kwargs.pop("chat_template", None), kwargs.get("tools"))
+        return self._render(template, messages, add_generation_prompt, **kwargs)
+
+    def _render(self, template: str, messages: list, add_generation_prompt: bool = False, **kwargs) -> str:
         variables = dict(self.template_tokens)
-        variables.update(kwargs)
+        variables.update(kwargs)  # a keyword overrides a special token of the same name
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    def _select_template(self, chat_template: str | None, tools) -> str:
+        """transformers' choice: a name among the named templates, else the text given; without one, "tool_use"
+        when tools are given and the tokenizer has it, else the default."""
+        named = dict(self.chat_templates)
+        if chat_template is not None:
+            return named.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in named:
+            return named["tool_use"]
+        if self.chat_template is not None:
+            return self.chat_template
+        if named:
+            raise ValueError(f"chat_template: this tokenizer has the named templates {sorted(named)} and no "
+                             "'default'; pass chat_template=<name>")
+        raise ValueError("chat_template: this tokenizer has none (tokenizer_config.json has no 'chat_template' "
+                         "and there is no chat_template.jinja); pass chat_template=... or use a chat model's "
+                         "tokenizer")
 
     def _tokenize_rendering(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
         ids, offsets = self.encode_with_offsets(text, add_special_tokens=False)
@@ -398,14 +221,14 @@ class Tokenizer:
         a template whose renderings are not prefixes of each other is refused with a ``ValueError``. ``kwargs``
         reach the template.
         """
-        messages = _check_messages(messages)
         full = self.apply_chat_template(messages, **kwargs)
+        template = self._select_template(kwargs.pop("chat_template", None), kwargs.get("tools"))
         spans = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self.apply_chat_template(messages[:k], add_generation_prompt=True, **kwargs)
-            upto = self.apply_chat_template(messages[: k + 1], **kwargs)
+            prompt = self._render(template, messages[:k], add_generation_prompt=True, **kwargs)
+            upto = self._render(template, messages[: k + 1], **kwargs)
             if not upto.startswith(prompt):
                 raise ValueError(
                     f"chat_template: the rendering of messages[:{k + 1}] does not start with the rendering of "
@@ -444,8 +267,8 @@ class Tokenizer:
         if isinstance(prompt, str) or isinstance(completion, str):
             raise TypeError(f"prompt, completion: expected both strings or both lists of messages, got "
                             f"{type(prompt).__name__} and {type(completion).__name__}")
-        prompt = _check_messages(prompt, "prompt")
-        completion = _check_messages(completion, "completion")
+        prompt = check_messages(prompt, "prompt")
+        completion = check_messages(completion, "completion")
         head = self.apply_chat_template(prompt, add_generation_prompt=True)
         full = self.apply_chat_template(prompt + completion)
         if not full.startswith(head):
@@ -457,80 +280,97 @@ class Tokenizer:
 
     def save(self, directory) -> None:
         """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into ``directory``
-        (created if missing), readable by :func:`load_tokenizer` and by transformers' ``AutoTokenizer``. The config
-        read at load time is kept, its tokens and template set to this tokenizer's; a ``chat_template.jinja``
-        already in ``directory`` is rewritten with the template (or removed when there is none), so it cannot
-        override the saved config."""
+        (created if missing), readable by :func:`load_tokenizer` and by transformers' ``AutoTokenizer``.
+
+        The config read at load time is kept, with this tokenizer's special tokens and templates (a string, or a
+        list of ``{"name", "template"}`` when there are named templates). Template files already in ``directory``
+        (``chat_template.jinja``, ``additional_chat_templates/*.jinja``), which would take precedence over the config,
+        are rewritten with this tokenizer's templates (and removed where it has none).
+        """
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(directory / TOKENIZER_FILE))
         config = json.loads(self.config_json)
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-        config["clean_up_tokenization_spaces"] = self.clean_up_tokenization_spaces
         special = {}
-        for key, value in self.template_tokens:
-            config[key] = value
-            special[key] = value
-        for key in ("bos_token", "eos_token", "pad_token"):
-            value = getattr(self, key)
+        for key in SPECIAL_TOKEN_KEYS:
+            value = dict(self.template_tokens).get(key)
             config[key] = value
             if value is not None:
                 special[key] = value
-        if self.chat_template is not None:
-            if not _is_template_list(config.get("chat_template")) or \
-                    _default_template(config["chat_template"], "config") != self.chat_template:
-                config["chat_template"] = self.chat_template
+        named = dict(self.chat_templates)
+        if named:
+            config["chat_template"] = [{"name": name, "template": text} for name, text in named.items()]
+        elif self.chat_template is not None:
+            config["chat_template"] = self.chat_template
         else:
             config.pop("chat_template", None)
-        jinja_file = directory / CHAT_TEMPLATE_FILE
-        if jinja_file.exists():
-            if self.chat_template is None:
-                jinja_file.unlink()
-            else:
-                jinja_file.write_text(self.chat_template, encoding="utf-8")
+        self._rewrite_template_files(directory, named)
         (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                        encoding="utf-8")
         (directory / SPECIAL_TOKENS_MAP_FILE).write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n",
                                                          encoding="utf-8")
 
+    def _rewrite_template_files(self, directory: pathlib.Path, named: dict) -> None:
+        default_file, extra_dir = directory / CHAT_TEMPLATE_FILE, directory / CHAT_TEMPLATE_DIR
+        if not default_file.exists() and not extra_dir.is_dir():
+            return
+        default_file.unlink(missing_ok=True)
+        if self.chat_template is not None:
+            default_file.write_text(self.chat_template, encoding="utf-8")
+        if extra_dir.is_dir():
+            for stale in extra_dir.glob("*.jinja"):
+                stale.unlink()
+        extras = {name: text for name, text in named.items() if name != "default"}
+        if extras:
+            extra_dir.mkdir(exist_ok=True)
+            for name, text in extras.items():
+                (extra_dir / f"{name}.jinja").write_text(text, encoding="utf-8")
 
-def _is_template_list(value) -> bool:
-    return isinstance(value, list)
 
-
-def _default_template(value, where: str) -> str | None:
-    """A config's ``chat_template``: a string, or the ``"default"`` entry of a list of ``{"name", "template"}``."""
-    if value is None or isinstance(value, str):
-        return value
+def _named_templates(value, where: str) -> dict[str, str]:
+    """A config's ``chat_template``: a string is the default; a list of ``{"name", "template"}`` names several."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
     if isinstance(value, list):
-        names = []
+        named = {}
         for entry in value:
-            if not isinstance(entry, Mapping) or "name" not in entry or "template" not in entry:
-                raise ValueError(f"{where}: chat_template list entries must be {{'name': ..., 'template': ...}}, "
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or \
+                    not isinstance(entry.get("template"), str):
+                raise ValueError(f"{where}: chat_template list entries must be {{'name': str, 'template': str}}, "
                                  f"got {entry!r:.80}")
-            names.append(entry["name"])
-            if entry["name"] == "default":
-                return entry["template"]
-        raise ValueError(f"{where}: chat_template is a list of named templates {sorted(names)} without a 'default' "
-                         "one; name one 'default' (or write it to chat_template.jinja)")
+            named[entry["name"]] = entry["template"]
+        return named
     raise ValueError(f"{where}: chat_template must be a string or a list of {{'name', 'template'}}, "
                      f"got {type(value).__name__}")
 
 
-def _set_bos_eos_post_processor(backend, config: Mapping, bos: str | None, eos: str | None) -> None:
-    """``add_bos_token`` / ``add_eos_token`` given in the config replace the post-processor by ``[bos] $A [eos]``
-    (each flag missing counts as False), as transformers' fast tokenizer does."""
-    from tokenizers import processors
+def _read_templates(directory: pathlib.Path, config: Mapping) -> dict[str, str]:
+    """The chat templates by name. ``chat_template.jinja`` ("default") and ``additional_chat_templates/<name>.jinja``,
+    where present, replace the config's templates, as in transformers."""
+    named = {}
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        named["default"] = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (directory / CHAT_TEMPLATE_DIR).is_dir():
+        for path in sorted((directory / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            named[path.stem] = path.read_text(encoding="utf-8")
+    return named or _named_templates(config.get("chat_template"), str(directory / TOKENIZER_CONFIG_FILE))
 
-    if "add_bos_token" not in config and "add_eos_token" not in config:
-        return
-    add_bos = bool(config.get("add_bos_token")) and bos is not None
-    add_eos = bool(config.get("add_eos_token")) and eos is not None
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    special = ([(bos, backend.token_to_id(bos))] if add_bos else []) + \
-              ([(eos, backend.token_to_id(eos))] if add_eos else [])
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+def _warn_on_ignored_bos_eos_flags(backend, config: Mapping, bos_id: int | None, eos_id: int | None) -> None:
+    """``add_bos_token`` / ``add_eos_token`` are not applied: with a ``tokenizer.json``, its post-processor decides
+    what ``encode`` adds (transformers 5 drops the two flags likewise). Where a flag disagrees with it, say so."""
+    import warnings
+
+    ids = backend.encode("", add_special_tokens=True).ids
+    for flag, token_id, added in (("add_bos_token", bos_id, bool(ids) and ids[0] == bos_id),
+                                  ("add_eos_token", eos_id, bool(ids) and ids[-1] == eos_id)):
+        if flag in config and token_id is not None and bool(config[flag]) != added:
+            warnings.warn(f"tokenizer_config.json sets {flag}={config[flag]!r} but tokenizer.json's post-processor "
+                          f"{'adds' if added else 'does not add'} that token; encode() follows tokenizer.json, as "
+                          "transformers 5 does", stacklevel=3)
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -547,8 +387,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a local Hugging Face directory (``tokenizer.json`` + ``tokenizer_config.json``).
 
     Raises ``FileNotFoundError`` naming ``tokenizer.json`` when it is missing (and saying how to convert a slow,
-    sentencepiece-only tokenizer), ``ValueError`` for a config that names tokens not in the vocabulary or a list of
-    chat templates without a ``"default"``.
+    sentencepiece-only tokenizer), ``ValueError`` for a config that names tokens not in the vocabulary or
+    malformed template entries.
     """
     from tokenizers import Tokenizer as Backend
 
@@ -568,36 +408,36 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     backend = Backend.from_file(str(tokenizer_file))
     config_file = directory / TOKENIZER_CONFIG_FILE
     config = _read_json(config_file) if config_file.is_file() else {}
+    # special_tokens_map.json is read only beside a config without "added_tokens_decoder" (older saves), and then
+    # its tokens win, as in transformers
     special_map_file = directory / SPECIAL_TOKENS_MAP_FILE
-    special_map = _read_json(special_map_file) if special_map_file.is_file() else {}
+    special_map = {}
+    if special_map_file.is_file() and "added_tokens_decoder" not in config:
+        special_map = _read_json(special_map_file)
 
-    tokens: dict[str, Any] = {}
+    tokens: dict[str, str] = {}
     for key in SPECIAL_TOKEN_KEYS:
-        where = TOKENIZER_CONFIG_FILE if config.get(key) is not None else SPECIAL_TOKENS_MAP_FILE
-        value = _token_content(config.get(key) if config.get(key) is not None else special_map.get(key),
-                               f"{directory / where}: {key}")
+        source, value = (special_map_file, special_map[key]) if special_map.get(key) is not None else \
+            (config_file, config.get(key))
+        value = _token_content(value, f"{source}: {key}")
         if value is not None:
             tokens[key] = value
-    extra = config.get("additional_special_tokens") or special_map.get("additional_special_tokens")
-    if extra:
-        tokens["additional_special_tokens"] = [
-            _token_content(t, f"{directory}: additional_special_tokens[{i}]") for i, t in enumerate(extra)]
-
-    jinja_file = directory / CHAT_TEMPLATE_FILE
-    if jinja_file.is_file():
-        chat_template = jinja_file.read_text(encoding="utf-8")
-    else:
-        chat_template = _default_template(config.get("chat_template"), str(config_file))
-
-    _set_bos_eos_post_processor(backend, config, tokens.get("bos_token"), tokens.get("eos_token"))
+    named = _read_templates(directory, config)
+    bos, eos = tokens.get("bos_token"), tokens.get("eos_token")
+    _warn_on_ignored_bos_eos_flags(backend, config, backend.token_to_id(bos) if bos else None,
+                                   backend.token_to_id(eos) if eos else None)
+    cleanup = bool(config.get("clean_up_tokenization_spaces", False)) and (
+        type(backend.model).__name__ != "BPE"
+        or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)))
     return Tokenizer(
         backend=backend,
-        bos_token=tokens.get("bos_token"),
-        eos_token=tokens.get("eos_token"),
+        bos_token=bos,
+        eos_token=eos,
         pad_token=tokens.get("pad_token"),
-        chat_template=chat_template,
-        template_tokens=tuple((k, v) for k, v in tokens.items()),
-        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        chat_template=named.get("default"),
+        chat_templates=tuple(named.items()) if set(named) != {"default"} else (),
+        template_tokens=tuple(tokens.items()),
+        clean_up_tokenization_spaces=cleanup,
         config_json=json.dumps(config),
     )
 
