@@ -274,6 +274,26 @@ def test_packed_rows_keep_each_segment_as_if_alone():
     assert rows.n_items.sum() == alone
 
 
+def test_the_packed_loss_is_the_sum_of_each_segment_alone_under_the_models_shift():
+    """``token_losses`` (logits at t predict labels[t + 1]) over a packed row, against each example alone with the
+    same logits: the same loss terms, none across a boundary."""
+    from jaxgrad.lora.model import token_losses
+
+    examples = _examples([6, 3, 5, 4], seed=5, random_masks=True)
+    rows = pack(examples, 9, pad_id=0)
+    logits = np.random.default_rng(1).normal(size=(rows.n_rows, 9, 100))
+    packed = np.asarray(token_losses(logits, rows.labels)[0]).sum(axis=1)
+    for r, segs in enumerate(rows.sources):
+        t, alone = 0, 0.0
+        for i in segs:
+            ex = examples[i]
+            n = len(ex.ids)
+            labels = np.where(ex.loss_mask, ex.ids, IGNORE_INDEX)[None]
+            alone += float(np.asarray(token_losses(logits[r:r + 1, t:t + n], labels)[0]).sum())
+            t += n
+        np.testing.assert_allclose(packed[r], alone, rtol=1e-6)
+
+
 def test_without_packing_each_example_has_its_own_right_padded_row():
     examples = _examples([4, 2, 3])
     rows = pack(examples, 5, pad_id=9, packing=False)
@@ -378,6 +398,8 @@ def test_a_separate_held_out_path(tmp_path, tok):
     data = build_sft_data(tmp_path / "train.jsonl", tok, seq_len=32, batch_size=2,
                           eval_path=tmp_path / "eval.jsonl")
     assert data.stats.train.examples == 20 and data.stats.eval.examples == 5 and data.stats.eval_records == 5
+    tiny = build_sft_data(tmp_path / "eval.jsonl", tok, seq_len=32, batch_size=1, held_out=0.95)
+    assert (tiny.stats.train.examples, tiny.stats.eval.examples) == (1, 4)  # at least one example trains
     with pytest.raises(ConfigError, match=r"data\.held_out = 0\.1 and data\.eval_path = .*not both"):
         build_sft_data(tmp_path / "train.jsonl", tok, seq_len=32, batch_size=2, held_out=0.1,
                        eval_path=tmp_path / "eval.jsonl")

@@ -22,7 +22,12 @@ no counted label (no completion / assistant token, or none left after truncation
 longer than ``seq_len`` are truncated (or split into chunks, ``overlong="split"``), counted.
 
 The held-out split is by example: a fraction ``held_out`` of the examples drawn by ``default_rng(seed)``, or the
-records of a separate ``eval_path``. Rows, labels and batches: :mod:`jaxgrad.lora.packing`.
+records of a separate ``eval_path``. Rows, labels and batches: :mod:`jaxgrad.lora.packing`. In use::
+
+    data = build_sft_data("chat.jsonl", load_tokenizer("model/"), seq_len=1024, batch_size=8, held_out=0.05)
+    print(data.describe())            # records, drops, truncation, rows, segments per row, fill, loss tokens
+    for batch in data.batches(epoch):  # input_ids, labels, positions, segment_ids, attention_mask [8, 1024], n_items
+        ...
 """
 
 from __future__ import annotations
@@ -270,11 +275,14 @@ def tokenize_records(records: Sequence[Mapping], shape: str, tokenizer, *, compl
 
 def split_held_out(examples: Sequence[Example], held_out: float, seed: int
                    ) -> tuple[list[Example], list[Example]]:
-    """``(train, held-out)`` by example: ``default_rng(seed).permutation(n)``; its first ``max(1, round(held_out
-    * n))`` examples are held out (in record order), the rest train in the permutation's order."""
+    """``(train, held-out)`` by example: ``default_rng(seed).permutation(n)``; its first ``round(held_out * n)``
+    examples, at least one and at most ``n - 1``, are held out (in record order), the rest train in the
+    permutation's order."""
     n = len(examples)
+    if n < 2:
+        raise ValueError(f"split_held_out: needs at least 2 examples, got {n}")
     order = np.random.default_rng(seed).permutation(n)
-    n_eval = max(1, int(round(held_out * n)))
+    n_eval = min(n - 1, max(1, int(round(held_out * n))))
     held = sorted(order[:n_eval].tolist())
     return [examples[i] for i in order[n_eval:]], [examples[i] for i in held]
 
