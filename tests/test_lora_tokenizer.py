@@ -353,6 +353,16 @@ def test_a_template_that_marks_the_last_message_is_refused(tok):
         tok.tokenize_chat(CONVERSATION, chat_template=template)
 
 
+def test_an_assistant_turn_whose_prefix_the_template_cannot_render_is_named(tok):
+    # Llama 3's template reads messages[0]: the empty conversation before a leading assistant turn has no rendering
+    with pytest.raises(ValueError, match="cannot render the conversation up to assistant message 0"):
+        tok.tokenize_chat([{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi"}])
+
+
+def test_the_repr_stays_short(tok):
+    assert len(repr(tok)) < 600  # no vocabulary, no template text
+
+
 def test_prompt_completion_strings_are_bos_prompt_then_completion_and_eos(tok):
     prompt, completion = "Our team counts three numbers:", " 1, 2, 3."
     ids, mask = tok.tokenize_prompt_completion(prompt, completion)

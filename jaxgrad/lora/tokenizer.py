@@ -35,7 +35,7 @@ rendering starts with ``S_k`` -- the template renders a conversation's prefix as
 generation prompt exactly as the header of the next assistant turn. Llama 3 / 3.1 and ChatML templates satisfy it;
 a template that ends a rendering with something only the last message gets, or that changes earlier turns when later
 ones arrive, does not. The full rendering is tokenized with offsets; a token is an assistant token iff its character
-span ``[s, e)`` lies inside some ``span_k``. The span is the message's content and what the template emits after it
+span ``[s, e)`` lies inside the union of the ``span_k``. The span is the message's content and what the template emits after it
 (``<|eot_id|>``); a token crossing a span's boundary (text merged across it by the pre-tokenizer) belongs to the
 prompt side. The Llama 3 pre-tokenizer splits at the special tokens and at the header's ``\n\n``, so no token crosses.
 """
@@ -118,20 +118,20 @@ class Tokenizer:
     (``backend.get_vocab_size(with_added_tokens=True)``).
     """
 
-    backend: Any
+    backend: Any = dataclasses.field(repr=False)
     bos_token: str | None = None
     eos_token: str | None = None
     pad_token: str | None = None
-    chat_template: str | None = None
+    chat_template: str | None = dataclasses.field(default=None, repr=False)
     # named templates ((name, template), ...) where the directory has several: "default" is ``chat_template``,
     # "tool_use" is taken when tools are given, any other by ``apply_chat_template(..., chat_template=name)``
-    chat_templates: tuple[tuple[str, str], ...] = ()
+    chat_templates: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
     # the special tokens transformers passes to a chat template (SPECIAL_TOKEN_KEYS that are set)
     template_tokens: tuple[tuple[str, str], ...] = ()
     # decode() removes spaces before punctuation (transformers 5 does so only for non-BPE models)
     clean_up_tokenization_spaces: bool = False
     # tokenizer_config.json as read (a JSON string, so the object stays immutable); save() writes it back updated
-    config_json: str = "{}"
+    config_json: str = dataclasses.field(default="{}", repr=False)
     vocab_size: int = dataclasses.field(init=False)
     bos_token_id: int | None = dataclasses.field(init=False)
     eos_token_id: int | None = dataclasses.field(init=False)
@@ -208,8 +208,21 @@ class Tokenizer:
                          "tokenizer")
 
     def _tokenize_rendering(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+        """Ids of ``text`` and a mask: True on tokens all of whose characters lie in ``spans``."""
+        import bisect
+
+        merged: list[list[int]] = []  # the union of the spans, as disjoint sorted intervals
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            elif b > a:
+                merged.append([a, b])
+        starts = [a for a, _ in merged]
         ids, offsets = self.encode_with_offsets(text, add_special_tokens=False)
-        mask = [any(a <= s and e <= b for a, b in spans) and e > s for s, e in offsets]
+        mask = []
+        for s, e in offsets:
+            i = bisect.bisect_right(starts, s) - 1
+            mask.append(e > s and i >= 0 and e <= merged[i][1])
         return ids, mask
 
     def tokenize_chat(self, messages: list[dict], **kwargs) -> tuple[list[int], list[bool]]:
@@ -227,8 +240,12 @@ class Tokenizer:
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render(template, messages[:k], add_generation_prompt=True, **kwargs)
-            upto = self._render(template, messages[: k + 1], **kwargs)
+            try:
+                prompt = self._render(template, messages[:k], add_generation_prompt=True, **kwargs)
+                upto = self._render(template, messages[: k + 1], **kwargs)
+            except ValueError as err:
+                raise ValueError(f"chat_template: cannot render the conversation up to assistant message {k}, which "
+                                 f"its assistant span needs ({err})") from err
             if not upto.startswith(prompt):
                 raise ValueError(
                     f"chat_template: the rendering of messages[:{k + 1}] does not start with the rendering of "
