@@ -63,10 +63,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.lora.config import LlamaConfig
+from jaxgrad.lora.config import CHECKPOINT_POLICIES, LlamaConfig
 from jaxgrad.lora.model import apply, causal_lm_loss, count_items, init, init_lora
-from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, MODES, BlockPath,
-                                      LoraFit, resolve_path)
+from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, FILE_FORMATS, MODES,
+                                      OVERLONG, SAMPLE_BY, BlockPath, LoraFit, resolve_path)
 from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
@@ -338,9 +338,11 @@ CLI_SCHEMA = {
               "target_modules": ("strs|str", ["all-linear"]), "use_rslora": ("bool", False),
               "nf4_blocksize": ("int", 64), "double_quant": ("bool", False),
               "backend": ("str", "auto", BACKENDS), "attention": ("str", "auto", ATTENTIONS),
-              "gradient_checkpointing": ("str", "none")},
+              "gradient_checkpointing": ("str", "none", CHECKPOINT_POLICIES)},
     "data": {"path": ("str?", None), "format": ("str?", None, DATA_FORMATS), "eval_path": ("str?", None),
              "packing": ("bool", True), "completion_only": ("bool", True), "assistant_only": ("bool", True),
+             "overlong": ("str", "truncate", OVERLONG), "pattern": ("str?", None),
+             "file_format": ("str?", None, FILE_FORMATS), "sample_by": ("str", "line", SAMPLE_BY),
              "files": ("str", "*.py"), "offset": ("int", 0), "n_bytes": ("int", 65536), "held_out": ("float", 0.1),
              "batch_size": ("int", 8), "seed": ("int", 0)},
 }
@@ -368,6 +370,8 @@ def fit_from_config(cfg: dict) -> LoraFit:
                    backend=m["backend"], attention=m["attention"], gradient_checkpointing=m["gradient_checkpointing"],
                    data_path=d["path"], data_format=d["format"], eval_path=d["eval_path"], packing=d["packing"],
                    completion_only=d["completion_only"], assistant_only=d["assistant_only"],
+                   overlong=d["overlong"], pattern=d["pattern"], file_format=d["file_format"],
+                   sample_by=d["sample_by"],
                    files=d["files"], offset=d["offset"], n_bytes=d["n_bytes"], held_out=float(d["held_out"]),
                    batch_size=d["batch_size"], data_seed=d["seed"])
 

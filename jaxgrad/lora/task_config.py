@@ -52,7 +52,11 @@ USED_ONLY_IN = {**{name: ("lora", "qlora") for name in ("r", "lora_alpha", "lora
                 "nf4_blocksize": ("qlora",), "double_quant": ("qlora",)}
 #: the byte-level standard-library data's keys (no ``data_path`` and no tokenizer) and the keys of a data file
 BYTE_DATA_KEYS = ("files", "offset", "n_bytes")
-FILE_DATA_KEYS = ("data_format", "eval_path", "packing", "completion_only", "assistant_only")
+FILE_DATA_KEYS = ("data_format", "eval_path", "packing", "completion_only", "assistant_only", "overlong", "pattern",
+                  "file_format", "sample_by")
+OVERLONG = ("truncate", "split")
+SAMPLE_BY = ("line", "paragraph", "document")
+FILE_FORMATS = ("json", "parquet", "csv", "text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +111,10 @@ class LoraFit:
     packing: bool = True
     completion_only: bool = True
     assistant_only: bool = True
+    overlong: str = "truncate"
+    pattern: str | None = None
+    file_format: str | None = None
+    sample_by: str = "line"
     files: str = "*.py"
     offset: int = 0
     n_bytes: int = 65536
@@ -128,6 +136,10 @@ class LoraFit:
              f"one of {CHECKPOINT_POLICIES}")
         need(self.data_format is None or self.data_format in DATA_FORMATS, "data_format",
              f"one of {DATA_FORMATS} or unset (inferred from the columns)")
+        need(self.overlong in OVERLONG, "overlong", f"one of {OVERLONG}")
+        need(self.sample_by in SAMPLE_BY, "sample_by", f"one of {SAMPLE_BY}")
+        need(self.file_format is None or self.file_format in FILE_FORMATS, "file_format",
+             f"one of {FILE_FORMATS} or unset (from the extension)")
         for f in ("seq_len", "n_bytes", "batch_size"):
             need(isinstance(getattr(self, f), int) and getattr(self, f) >= 2, f, "an int >= 2")
         for f in ("offset", "data_seed", "base_seed"):
@@ -138,7 +150,7 @@ class LoraFit:
         need(isinstance(self.lora_dropout, (int, float)) and 0.0 <= self.lora_dropout < 1.0, "lora_dropout",
              "a probability in [0, 1)")
         need(isinstance(self.files, str) and self.files.strip() != "", "files", "a glob pattern or path")
-        for f in ("base", "tokenizer", "data_path", "eval_path"):
+        for f in ("base", "tokenizer", "data_path", "eval_path", "pattern"):
             need(getattr(self, f) is None or (isinstance(getattr(self, f), str) and getattr(self, f).strip()), f,
                  "a path or unset")
         if isinstance(self.target_modules, list):
@@ -194,6 +206,9 @@ class LoraFit:
             what = ("apply to a data file ('data_path') only" if self.data_path is None else
                     "select the byte-level standard-library text, which 'data_path' replaces")
             raise ConfigError(f"LoRA fit: {', '.join(bad)} would be silently ignored: these keys {what}")
+        if self.eval_path is not None and self.held_out != defaults["held_out"]:
+            raise ConfigError(f"LoRA fit: 'held_out' = {self.held_out!r} would be silently ignored: 'eval_path' "
+                              f"({self.eval_path}) is the held-out set")
         if self.data_path is None and not bytes_mode:
             raise ConfigError(f"LoRA fit: a tokenizer ({self.tokenizer_path()}) needs data to tokenize: set "
                               f"'data_path' (a JSONL / JSON / Parquet / CSV / text file or folder)")

@@ -28,6 +28,7 @@ from jaxgrad.train.config import DEFAULT_LR
 from jaxgrad.train.errors import ConfigError
 from jaxgrad.train.families import family_module
 from jaxgrad.train.metrics import CSV_FILE, METRICS_FILE, TB_DIR
+from jaxgrad.train.plot import LOSS_PLOT
 
 CONFIG_FILE = "config.toml"
 SUMMARY_FILE = "summary.json"
@@ -65,8 +66,19 @@ def peak_device_memory() -> int | None:
 
 
 def owned_entries(fam) -> tuple[str, ...]:
-    return (rundir.RUN_FILE, CONFIG_FILE, METRICS_FILE, CSV_FILE, TB_DIR, "checkpoints", SUMMARY_FILE,
+    return (rundir.RUN_FILE, CONFIG_FILE, METRICS_FILE, CSV_FILE, TB_DIR, "checkpoints", SUMMARY_FILE, LOSS_PLOT,
             *fam.CLI_OUTPUTS)
+
+
+def _plot_loss(out: pathlib.Path) -> str:
+    """The run's loss curve beside its metrics (:func:`jaxgrad.train.plot.plot_loss_curve`): ``", <path>"`` for
+    the closing line, or ``""`` where no training loss was logged (nothing to draw)."""
+    from jaxgrad.train.plot import plot_loss_curve
+
+    try:
+        return f", {plot_loss_curve(out / METRICS_FILE, out / LOSS_PLOT)}"
+    except ValueError:
+        return ""
 
 
 def resolve_for_run(family: str, config: str | None, sets: list[str], out: pathlib.Path, resume: bool,
@@ -197,6 +209,7 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
                    "peak_device_memory_bytes": peak, "config": cfg, **extra}
         write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=1, default=str) + "\n")
         log_end(out, res, skipped_steps=res.skipped)
+        plot_txt = _plot_loss(out)
         ev = summary.get("eval") or {}
         ev_txt = ", ".join(f"{k} {v:.4g}" for k, v in ev.items() if isinstance(v, float))
         skip_txt = f"; {res.skipped} step(s) skipped (non-finite)" if res.skipped else ""
@@ -204,7 +217,7 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
         mem_txt = (f"; peak device memory {peak / 2**30:.2f} GiB" if peak is not None
                    else "; peak device memory not reported by this backend")
         print(f"done: step {res.step}, final loss {res.final_loss}{skip_txt}{'; ' + ev_txt if ev_txt else ''}"
-              f"{rate_txt}{mem_txt}; wrote {out / SUMMARY_FILE}", flush=True)
+              f"{rate_txt}{mem_txt}; wrote {out / SUMMARY_FILE}{plot_txt}", flush=True)
         return 0
     except (ConfigError, rundir.RunDirError, CheckpointMismatchError, NoGoodCheckpointError) as err:
         if not started and not resuming and owned:
