@@ -125,6 +125,8 @@ def test_train_bpe_tokenizer_refuses_bad_arguments():
                             pad_token=None)
     with pytest.raises(TypeError, match="texts: expected an iterable of strings"):
         train_bpe_tokenizer("one text", 300)
+    with pytest.raises(TypeError, match=r"texts\[1\]: expected a str, got bytes"):
+        train_bpe_tokenizer(["fine", b"bytes"], 300)
 
 
 # ------------------------------------------------------------------------------------------- files

@@ -35,9 +35,10 @@ rendering starts with ``S_k`` -- the template renders a conversation's prefix as
 generation prompt exactly as the header of the next assistant turn. Llama 3 / 3.1 and ChatML templates satisfy it;
 a template that ends a rendering with something only the last message gets, or that changes earlier turns when later
 ones arrive, does not. The full rendering is tokenized with offsets; a token is an assistant token iff its character
-span ``[s, e)`` lies inside the union of the ``span_k``. The span is the message's content and what the template emits after it
-(``<|eot_id|>``); a token crossing a span's boundary (text merged across it by the pre-tokenizer) belongs to the
-prompt side. The Llama 3 pre-tokenizer splits at the special tokens and at the header's ``\n\n``, so no token crosses.
+span ``[s, e)`` lies inside the union of the ``span_k``. A span is the message's content and what the template emits
+after it (``<|eot_id|>``); a token crossing a span's boundary (text merged across it by the pre-tokenizer) belongs
+to the prompt side. The Llama 3 pre-tokenizer splits at the special tokens and at the header's ``\n\n``, so no
+token crosses.
 """
 
 from __future__ import annotations
@@ -495,7 +496,13 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *, special_tokens
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(special_tokens), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
-    backend.train_from_iterator((str(t) for t in texts), trainer=trainer)
+    def checked(texts):
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}]: expected a str, got {type(text).__name__}")
+            yield text
+
+    backend.train_from_iterator(checked(texts), trainer=trainer)
     backend.add_special_tokens(list(special_tokens))
     byte_level = processors.ByteLevel(trim_offsets=False)
     if bos_token is not None:
