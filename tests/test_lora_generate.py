@@ -20,11 +20,14 @@ PARAMS = init(jax.random.key(0), CFG, std=0.5)  # wide logits: no near-ties for 
 PROMPTS = [[3], [5, 17, 2, 30, 8], [11, 11, 4, 29, 0, 19, 7, 1, 23]]
 
 
+apply_jit = jax.jit(apply, static_argnames=("cfg", "lcfg", "backend"))
+
+
 def argmax_by_hand(params, lora, prompt, n, lcfg=None, eos=()):
     """Token by token: apply on the whole sequence so far (no padding, no buffer), argmax of the last logits."""
     seq, out = list(prompt), []
     for _ in range(n):
-        logits = apply(params, lora, jnp.asarray([seq], jnp.int32), CFG, lcfg, backend="reference")
+        logits = apply_jit(params, lora, jnp.asarray([seq], jnp.int32), cfg=CFG, lcfg=lcfg, backend="reference")
         token = int(np.argmax(np.asarray(logits[0, -1])))
         out.append(token)
         seq.append(token)
@@ -90,6 +93,14 @@ def test_nf4_projections_decode_as_apply_runs_them():
     lora = lora_with_nonzero_b(scale=0.1)
     [got] = generate(q, lora, [PROMPTS[1]], CFG, LCFG, max_new_tokens=6)
     assert got == argmax_by_hand(q, lora, PROMPTS[1], 6, LCFG)
+
+
+@pytest.mark.parametrize(("backend", "attention"), [("xla", "xla"), ("reference", "pallas")])
+def test_the_custom_vjp_forward_and_flash_attention_decode_the_same_tokens(backend, attention):
+    lora = lora_with_nonzero_b()
+    reference = generate(PARAMS, lora, PROMPTS, CFG, LCFG, max_new_tokens=6)
+    assert generate(PARAMS, lora, PROMPTS, CFG, LCFG, max_new_tokens=6, backend=backend,
+                    attention=attention) == reference
 
 
 def test_buffer_rounds_up_to_a_multiple_and_stops_at_the_positions():

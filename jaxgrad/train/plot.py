@@ -20,12 +20,13 @@ import json
 import math
 import pathlib
 
+from jaxgrad.train.metrics import METRICS_FILE
+from jaxgrad.train.rundir import RUN_FILE
+
 __all__ = ["LOSS_PLOT", "LossHistory", "loss_history", "plot_loss_curve"]
 
 #: the PNG :func:`plot_loss_curve` writes beside ``metrics.jsonl`` by default
 LOSS_PLOT = "loss.png"
-METRICS_FILE = "metrics.jsonl"  # as jaxgrad.train.metrics writes it
-RUN_FILE = "run.json"  # as jaxgrad.train.rundir writes it
 
 
 @dataclasses.dataclass(frozen=True)
