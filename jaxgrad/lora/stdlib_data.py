@@ -75,8 +75,9 @@ def stdlib_files(pattern: str, *, root: str | os.PathLike | None = None, exclude
                    if p.is_file() and not skip.intersection(p.relative_to(base).parts[:-1]))
     if not files:
         raise DataError(f"{where}: '{name}' pattern {pattern!r} matches no file under {base} (a relative pattern "
-                        f"is a glob there{', test folders excluded' if exclude_tests else ''}; give an absolute "
-                        f"path for other files)")
+                        f"is a glob in {'the standard library' if root is None else 'that folder'}"
+                        f"{', test folders excluded' if exclude_tests else ''}; give an absolute path for other "
+                        f"files)")
     return files
 
 
