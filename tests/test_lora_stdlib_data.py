@@ -45,10 +45,10 @@ class Table:
 
         Returns ``default`` when the key is absent.
         """
-        def helper(k):
-            r"""A nested helper with a raw \\docstring."""
+        def inner(k):
+            r"""A nested function with a raw \\docstring."""
             return k
-        return helper(key)
+        return inner(key)
 
 
 async def fetch(url, *, timeout=1.0):
@@ -63,7 +63,7 @@ EXPECTED_A = [
     {"prompt": 'def lookup(self, key: str,\n           default: int | None = None) -> int:\n    """',
      "completion": 'Find ``key`` in the table.\n\n        An indented example line.\n\n    Returns ``default`` '
                    'when the key is absent.\n    """'},
-    {"prompt": 'def helper(k):\n    r"""', "completion": 'A nested helper with a raw \\docstring."""'},
+    {"prompt": 'def inner(k):\n    r"""', "completion": 'A nested function with a raw \\docstring."""'},
     {"prompt": 'async def fetch(url, *, timeout=1.0):\n    """', "completion": 'Fetch ``url`` and return its body."""'},
 ]
 
@@ -99,7 +99,7 @@ def test_prompt_plus_completion_is_valid_python_and_states_the_docstring(source_
 
 def test_files_are_walked_sorted_skipping_tests_site_packages_and_counting_unparsable(source_tree):
     pairs = docstring_pairs("**/*.py", root=source_tree, min_doc_chars=10)
-    assert [r["prompt"].split("(")[0] for r in pairs] == ["def add", "def lookup", "def helper", "async def fetch",
+    assert [r["prompt"].split("(")[0] for r in pairs] == ["def add", "def lookup", "def inner", "async def fetch",
                                                           "def zeta"]
     assert pairs.counts["files"] == 3
     assert pairs.counts["unparsable_files"] == [str(source_tree / "broken.py")]
