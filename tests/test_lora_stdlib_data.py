@@ -46,7 +46,7 @@ class Table:
         Returns ``default`` when the key is absent.
         """
         def inner(k):
-            r"""A nested function with a raw \\docstring."""
+            r"""A nested def with a raw \\docstring."""
             return k
         return inner(key)
 
@@ -63,7 +63,7 @@ EXPECTED_A = [
     {"prompt": 'def lookup(self, key: str,\n           default: int | None = None) -> int:\n    """',
      "completion": 'Find ``key`` in the table.\n\n        An indented example line.\n\n    Returns ``default`` '
                    'when the key is absent.\n    """'},
-    {"prompt": 'def inner(k):\n    r"""', "completion": 'A nested function with a raw \\docstring."""'},
+    {"prompt": 'def inner(k):\n    r"""', "completion": 'A nested def with a raw \\docstring."""'},
     {"prompt": 'async def fetch(url, *, timeout=1.0):\n    """', "completion": 'Fetch ``url`` and return its body."""'},
 ]
 
