@@ -200,6 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="start again in a non-empty DIR (replaces only the "
                                                             "run's own files)")
     p.add_argument("--no-progress", action="store_true", help="print lines instead of a progress bar")
+    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (Llama 3's layout, special tokens and "
+                                         "chat template) on local data files, for a model trained from scratch")
+    p.add_argument("data", help="a file, folder or glob of JSONL / JSON / Parquet / CSV / text (as data.path)")
+    p.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                   help="tokens in all: 256 bytes, the learnt merges and the special tokens")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write tokenizer.json and "
+                                                              "tokenizer_config.json into")
+    p.add_argument("--pattern", help="a glob selecting files inside a DATA folder (as data.pattern)")
+    p.add_argument("--file-format", choices=("json", "parquet", "csv", "text"),
+                   help="read every file in this format whatever its extension (as data.file_format)")
+    p.add_argument("--sample-by", choices=("line", "paragraph", "document"), default="document",
+                   help="text files: one record per line, paragraph or file (default: document)")
+    p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in DIR")
     p = sub.add_parser("bench", help="run a benchmark suite (jaxgrad bench --help: the suites and their options)",
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="SUITE [--sizes small|full] [--out DIR] ...")
@@ -219,7 +232,25 @@ def main(argv: list[str] | None = None) -> int:
                    progress=not args.no_progress)
     if args.command == "bench":
         return _bench(args.bench_args)
+    if args.command == "tokenizer":
+        return _tokenizer(args)
     return 2
+
+
+def _tokenizer(args) -> int:
+    from jaxgrad.lora.tokenizer_files import train_tokenizer_on_files
+    from jaxgrad.train.errors import ConfigError
+
+    try:
+        tok, n, chars = train_tokenizer_on_files(args.data, args.vocab_size, args.out, pattern=args.pattern,
+                                                 file_format=args.file_format, sample_by=args.sample_by,
+                                                 overwrite=args.overwrite)
+    except (ConfigError, FileExistsError, ValueError) as err:  # DataError is a ConfigError
+        print(f"jaxgrad tokenizer: error: {err}", file=sys.stderr)
+        return 2
+    print(f"jaxgrad tokenizer: {tok.vocab_size} tokens learnt from {n} records ({chars} characters); wrote "
+          f"{args.out}")
+    return 0
 
 
 def _families() -> list[str]:
