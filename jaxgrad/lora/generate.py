@@ -37,7 +37,7 @@ from jaxgrad.lora.config import LlamaConfig, LoraConfig
 from jaxgrad.lora.kernels import BACKENDS
 from jaxgrad.lora.model import apply
 
-__all__ = ["BUFFER_MULTIPLE", "generate"]
+__all__ = ["BUFFER_MULTIPLE", "buffer_length", "generate"]
 
 #: the token buffer's length is rounded up to a multiple of this (capped at ``max_position_embeddings``)
 BUFFER_MULTIPLE = 64
