@@ -383,7 +383,7 @@ def test_lora_files_may_be_an_absolute_path_or_glob(tmp_path):
     assert stdlib_files(str(tmp_path / "part1.txt")) == [tmp_path / "part1.txt"]
     task = make_task(LoraFit(files=str(tmp_path / "*.txt"), n_bytes=4096, batch_size=2, seq_len=16))
     assert next(task.batches(0))["input_ids"].shape == (2, 16)
-    with pytest.raises(DataError, match="'files' .*matches no file"):
+    with pytest.raises(DataError, match="'pattern' .*matches no file"):
         stdlib_files(str(tmp_path / "*.md"))
 
 

@@ -53,11 +53,8 @@ micro-batch :math:`j` returns
 
 from __future__ import annotations
 
-import glob
 import math
-import os
 import pathlib
-import sysconfig
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +62,7 @@ import numpy as np
 
 from jaxgrad.lora.config import CHECKPOINT_POLICIES, LlamaConfig
 from jaxgrad.lora.model import apply, causal_lm_loss, count_items, init, init_lora
+from jaxgrad.lora.stdlib_data import stdlib_files
 from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, FILE_FORMATS, MODES,
                                       OVERLONG, SAMPLE_BY, BlockPath, LoraFit, resolve_path)
 from jaxgrad.train.errors import ConfigError, DataError
@@ -78,28 +76,10 @@ VOCAB = BYTE_VOCAB
 # ------------------------------------------------------------------------------------------------------------ data
 
 
-def stdlib_files(pattern: str) -> list[pathlib.Path]:
-    """The files matching ``pattern``, sorted: a glob relative to the standard library (``site-packages``
-    excluded), or an absolute path or glob (``~`` expanded; ``**`` recursive). No match: a
-    :class:`~jaxgrad.train.errors.DataError` naming ``files``."""
-    expanded = os.path.expanduser(pattern)
-    if os.path.isabs(expanded):
-        files = sorted(pathlib.Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise DataError(f"LoRA fit: 'files' {pattern!r} matches no file")
-        return files
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob(pattern) if p.is_file() and "site-packages" not in p.relative_to(root).parts)
-    if not files:
-        raise DataError(f"LoRA fit: 'files' pattern {pattern!r} matches no file under {root} (a relative pattern is "
-                        f"a glob in the standard library; give an absolute path for other files)")
-    return files
-
-
 def stdlib_bytes(pattern: str, offset: int, n_bytes: int) -> np.ndarray:
     """Bytes ``[offset, offset + n_bytes)`` of the concatenated files (uint8); an error if there are fewer."""
     chunks, have, need = [], 0, offset + n_bytes
-    for f in stdlib_files(pattern):
+    for f in stdlib_files(pattern, where="LoRA fit", name="files"):
         chunks.append(f.read_bytes())
         have += len(chunks[-1])
         if have >= need:
