@@ -103,30 +103,45 @@ to any gradient, never NaN:
   per-row key lengths, its fast padding-causal form with no mask tensor; any other mask -- left padding, gaps, and
   every mask under ``jit``, whose values are unknown when the block is traced -- as a boolean ``[B, 1, T, T]`` mask
   that cuDNN adds as a bias (one ``[B, T, T]`` tensor in the activation dtype); rows with no visible key are zeroed
-  after it (:func:`_cudnn_attention`, which also pads an odd ``T`` by one position: cuDNN's training rule in JAX
-  0.11 refuses odd lengths). To keep the key-lengths form under ``jit``, close over a concrete right-padded mask
-  instead of passing it as an argument.
+  after it (:func:`jaxgrad.lora.block_attention.cudnn_attention`, which also pads an odd ``T`` by one position:
+  cuDNN's training rule in JAX 0.11 refuses odd lengths). To keep the key-lengths form under ``jit``, close over a
+  concrete right-padded mask instead of passing it as an argument.
 
 A concrete mask is checked where it enters (:func:`block`, :func:`block_reference`,
 :func:`jaxgrad.lora.model.apply`): ``[batch, seq]`` and 0/1 values only (or bool), else a ``ValueError`` naming
-``attention_mask``. Under ``jit`` the values cannot be checked: any non-zero entry is then a token. Segment ids for
-packed sequences are not supported.
+``attention_mask``. Under ``jit`` the values cannot be checked: any non-zero entry is then a token.
+
+**Segment ids** (padding-free packing). ``segment_ids`` is an optional integer ``[batch, seq]`` array; query ``i``
+sees key ``j`` iff
+
+.. math::
+
+    j \le i \ \wedge\ \mathrm{valid}_j \ \wedge\ \mathrm{seg}_{b,i} = \mathrm{seg}_{b,j}
+
+so the sequences packed into one row attend block-diagonally, causally within each: every segment's output, and
+its gradients, are those of the segment run alone. Give ``positions [batch, seq]`` restarting at 0 in each segment,
+the positions the segment alone has (RoPE's scores depend on ``i - j`` only, so a shift within a segment changes
+nothing but rounding, which small positions keep small). Padding may be a segment of its own (e.g. 0) and/or masked
+by ``attention_mask``. Every backend and
+attention implementation takes them (:mod:`jaxgrad.lora.block_attention`): the XLA attention masks its scores, the
+flash-attention kernels load the segment ids of their q rows and kv blocks, cuDNN takes the boolean
+``[B, 1, T, T]`` mask :math:`[\mathrm{seg}_i = \mathrm{seg}_j] \wedge \mathrm{valid}_j` (never key lengths). The
+VJP saves the segment ids (an input) and no more. A concrete or traced ``segment_ids`` must be ``[batch, seq]`` of
+an integer dtype, else an error naming ``segment_ids``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.lora.block_attention import attention_core_bwd, attention_core_fwd, attention_core_reference
+from jaxgrad.lora.block_attention import cudnn_attention as _cudnn_attention  # noqa: F401 - tests reach it here
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.lora.grouped import group_bwd, group_fwd, groupable
 from jaxgrad.lora.kernels import BACKENDS, XLA, BlockKernels, base_weight
-from jaxgrad.ops.attention import (attention_bwd, attention_fwd, attention_out_from_lse, attention_reference,
-                                   check_attention_mask, right_padded)
-from jaxgrad.ops.flash_attention import flash_attention, flash_attention_bwd, flash_attention_fwd
+from jaxgrad.ops.attention import check_attention_mask, check_segment_ids, right_padded
 from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_linear_fwd, lora_linear_reference
 from jaxgrad.ops.rmsnorm import rms_norm_reference
 from jaxgrad.ops.rope import apply_rope_reference, rope_bwd_x, rope_cos_sin, rope_fwd
@@ -158,7 +173,8 @@ def check_attention(attention, where: str) -> None:
                          f"{jax.default_backend()!r}); use attention='xla'")
 
 
-def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions, attention_mask):
+def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions, attention_mask,
+                          segment_ids=None):
     """Shapes and names of everything :func:`block` takes; raises naming the argument."""
     from collections.abc import Mapping
 
@@ -224,6 +240,7 @@ def validate_block_inputs(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | 
     if positions is not None and np.shape(positions) not in ((t,), (b, t)):
         raise ValueError(f"block: 'positions' must be [seq] or [batch, seq] = {(b, t)}, got {np.shape(positions)}")
     check_attention_mask(attention_mask, b, t, "block")  # [batch, seq]; 0/1 values where concrete
+    check_segment_ids(segment_ids, b, t, "block")  # [batch, seq] integers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,25 +271,28 @@ def _cos_sin(cfg, positions, b, t, dtype):
 # Plain reference (differentiated by jax.grad)
 # ---------------------------------------------------------------------------------------------------------------
 def block_reference(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None, positions=None,
-                    attention_mask=None, dropout_key=None, train_base: bool = False, attention: str = "xla"):
+                    attention_mask=None, dropout_key=None, train_base: bool = False, attention: str = "xla", *,
+                    segment_ids=None):
     """The block in plain JAX: ``jax.grad`` of this is the oracle of :func:`block`'s VJP. Frozen projection weights
     are ``stop_gradient`` (unless ``train_base``, for training a base model from scratch); the norm weights are
     differentiable. ``attention``: ``"xla"`` (the plain attention), ``"cudnn"`` (GPU:
     ``jax.nn.dot_product_attention(implementation="cudnn")`` in its place, what a JAX user would write) or
-    ``"pallas"`` (:func:`jaxgrad.ops.flash_attention.flash_attention`, its own custom VJP)."""
+    ``"pallas"`` (:func:`jaxgrad.ops.flash_attention.flash_attention`, its own custom VJP). ``segment_ids``: as
+    :func:`block`'s (packed sequences attend block-diagonally)."""
     check_attention(attention, "block_reference")
     return _block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key, train_base,
-                            attention)
+                            attention, segment_ids=segment_ids)
 
 
 def _block_reference(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                     train_base=False, attention="xla"):
+                     train_base=False, attention="xla", segment_ids=None):
     """:func:`block_reference` unchecked: ``attention`` may also be ``"sdpa:<implementation>"``, the ``"cudnn"``
     code path with another ``jax.nn.dot_product_attention`` implementation (private: tests and benchmarks on a
     CPU)."""
     dt = x.dtype
     b, t, _ = x.shape
     check_attention_mask(attention_mask, b, t, "block_reference")
+    check_segment_ids(segment_ids, b, t, "block_reference")
     s = 0.0 if lcfg is None else lcfg.scale
 
     def proj(h, g, n):
@@ -292,12 +312,9 @@ def _block_reference(params, lora, x, cfg, lcfg, positions=None, attention_mask=
     q = apply_rope_reference(proj(h1, "self_attn", "q_proj").reshape(b, t, hq, d), cos, sin)
     k = apply_rope_reference(proj(h1, "self_attn", "k_proj").reshape(b, t, hkv, d), cos, sin)
     v = proj(h1, "self_attn", "v_proj").reshape(b, t, hkv, d)
-    if attention == "xla":
-        o = attention_reference(q, k, v, attention_mask)
-    elif attention == "pallas":
-        o = flash_attention(q, k, v, attention_mask)  # its own custom VJP under jax.grad
-    else:
-        o = _cudnn_attention(q, k, v, attention_mask, attention, key_lengths=right_padded(attention_mask))
+    # the plain attention; "pallas": the flash kernels' own custom VJP under jax.grad; else the cuDNN code path
+    o = attention_core_reference(attention, q, k, v, attention_mask, segment_ids,
+                                 key_lengths=segment_ids is None and right_padded(attention_mask))
     x2 = x + proj(o.reshape(b, t, hq * d), "self_attn", "o_proj")
     h2 = rms_norm_reference(x2, params["post_attention_layernorm"]["weight"], eps)
     m = swiglu_reference(proj(h2, "mlp", "gate_proj"), proj(h2, "mlp", "up_proj"))
@@ -307,56 +324,6 @@ def _block_reference(params, lora, x, cfg, lcfg, positions=None, attention_mask=
 # ---------------------------------------------------------------------------------------------------------------
 # The custom VJP
 # ---------------------------------------------------------------------------------------------------------------
-def _cudnn_attention(q, k, v, attention_mask, attn, return_residual=False, key_lengths=False):
-    """Causal GQA attention through ``jax.nn.dot_product_attention``, honouring any ``[B, T]`` padding mask.
-
-    ``attn``: "cudnn", or "sdpa:<implementation>" (the same path with another implementation: the private
-    :func:`_block_sdpa`, :func:`_block_reference` and :func:`jaxgrad.lora.model._apply` reach it on a CPU).
-    ``return_residual``: ``(O, lse)``, cuDNN's training-mode forward (see :func:`_recompute_attention`).
-
-    The mask, in one of two forms (the caller picks; both give :func:`jaxgrad.ops.attention.attention_reference`'s
-    function):
-
-    * ``key_lengths=True``, only for a mask known to be right padding (a concrete one,
-      :func:`jaxgrad.ops.attention.right_padded`): per-row key lengths (``key_value_seq_lengths``, cuDNN's
-      padding-causal mask: no mask tensor). A row of padding only gets length 1 (its output is zeroed below).
-    * otherwise (left padding, gaps, any mask under ``jit``): a boolean ``[B, 1, T, T]`` mask of the valid keys
-      (``mask=``; cuDNN adds it as a bias of 0 / a large negative number, in training and in its backward, with no
-      bias gradient for a boolean mask).
-
-    Query rows with no visible key (no token at or before them) get output 0 (``where``: their cotangent is 0, so
-    they add nothing to any gradient), as in the reference; in either form cuDNN gives such a row a finite, uniform
-    softmax over masked keys, never NaN.
-
-    An odd ``T`` is padded by one position, with or without a mask: JAX 0.11's cuDNN training rule refuses odd
-    lengths ("Unsupported sequence length Q 77, KV 77": its bias check counts the empty placeholder it passes when
-    there is no bias). The extra key comes after every real query (causal: none sees it; it is padding in the mask
-    form and beyond every key length) and the extra query row is dropped, so the result is unchanged."""
-    implementation = attn.split(":", 1)[1] if attn.startswith("sdpa:") else attn
-    b, t = q.shape[:2]
-    pad = t % 2
-    if pad:
-        q, k, v = (jnp.pad(a, ((0, 0), (0, 1), (0, 0), (0, 0))) for a in (q, k, v))
-    sdpa = functools.partial(jax.nn.dot_product_attention, q, k, v, is_causal=True, implementation=implementation,
-                             return_residual=return_residual)
-    valid = None if attention_mask is None else jnp.asarray(attention_mask) != 0  # [B, T]: the keys
-    if valid is None:
-        out = sdpa()
-    elif key_lengths:
-        out = sdpa(key_value_seq_lengths=jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(jnp.int32))
-    else:
-        valid_p = jnp.pad(valid, ((0, 0), (0, pad)))  # the extra key (odd T) is padding
-        out = sdpa(mask=jnp.broadcast_to(valid_p[:, None, None, :], (b, 1, t + pad, t + pad)))
-    if pad:
-        out = tuple(a[:, :t] for a in out) if return_residual else out[:, :t]
-    if valid is None:
-        return out
-    o, res = out if return_residual else (out, None)
-    seen = jnp.cumsum(valid.astype(jnp.int32), axis=-1) > 0  # [B, T]: the query row sees at least one key
-    o = jnp.where(seen[:, :, None, None], o, jnp.zeros((), o.dtype))
-    return (o, res) if return_residual else o
-
-
 def _dropout(lcfg, dropout_key) -> bool:
     return lcfg is not None and dropout_key is not None and lcfg.lora_dropout > 0
 
@@ -393,7 +360,8 @@ def _projections(lcfg, params, lora, dropout_key, kern, dt):
     return projs, us
 
 
-def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, lse, projs, kern=XLA):
+def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, lse, projs, kern=XLA,
+                         segment_ids=None):
     """The attention half of the forward, ``x -> o`` (and ``x_2 = x + P_o(o)`` in the forward, where ``projs`` is
     called for o_proj by the caller): every activation its backward needs."""
     dt = x.dtype
@@ -406,25 +374,7 @@ def _recompute_attention(cfg, attn, params, x, positions, attention_mask, r1, ls
     q = rope_fwd(q.reshape(b, t, hq, d), cos, sin)
     k = rope_fwd(k.reshape(b, t, hkv, d), cos, sin)
     v = v.reshape(b, t, hkv, d)
-    attn_pullback = None
-    if attn == "pallas":
-        # the flash-attention kernel: in the backward's recompute it runs again for O (lse is the saved one)
-        o, lse_new = flash_attention_fwd(q, k, v, attention_mask, interpret=kern.interpret)
-        lse = lse_new if lse is None else lse
-    elif attn != "xla":
-        # one cuDNN forward per step: its pullback (cuDNN's saved output and softmax statistics) serves the
-        # backward, which does not run the forward again. It is cuDNN's training-mode forward (return_residual: O
-        # and the softmax statistics) in the forward too, where the pullback is unused: without return_residual JAX
-        # would run the inference-mode call there, a custom call other than the recompute's, and XLA could not
-        # merge the two; identical calls are merged (CSE) when both are in one program
-        (o, cudnn_lse), pull = jax.vjp(
-            lambda q, k, v: _cudnn_attention(q, k, v, attention_mask, attn, True, kern.cudnn_key_lengths),
-            q, k, v)
-        attn_pullback = lambda do: pull((do, jnp.zeros_like(cudnn_lse)))  # noqa: E731 - O's cotangent only
-    elif lse is None:
-        o, lse = attention_fwd(q, k, v, attention_mask)
-    else:
-        o = attention_out_from_lse(q, k, v, lse, attention_mask).astype(dt)
+    o, lse, attn_pullback = attention_core_fwd(attn, q, k, v, attention_mask, segment_ids, lse, kern)
     return dict(cos=cos, sin=sin, h1=h1, q=q, k=k, v=v, o2=o.reshape(b, t, hq * d), lse=lse, r1=r1,
                 attn_pullback=attn_pullback)
 
@@ -436,28 +386,31 @@ def _recompute_mlp(cfg, params, x2, r2, projs, kern=XLA):
     return dict(h2=h2, e=e, u=u, m=kern.swiglu(e, u), r2=r2)
 
 
-def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
-    return _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern)[0]
+def _block_impl(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA, segment_ids=None):
+    return _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern, segment_ids)[0]
 
 
 # static: cfg, lcfg, the attention implementation and the kernel choice (a hashable BlockKernels)
 _block = jax.custom_vjp(_block_impl, nondiff_argnums=(0, 1, 2, 9))
 
 
-def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA):
+def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, dropout_key, kern=XLA, segment_ids=None):
     projs, _ = _projections(lcfg, params, lora, dropout_key, kern, x.dtype)
-    att = _recompute_attention(cfg, attn, params, x, positions, attention_mask, None, None, projs, kern)
+    att = _recompute_attention(cfg, attn, params, x, positions, attention_mask, None, None, projs, kern, segment_ids)
     x2 = x + projs(att["o2"], O_PROJ)[0]
     mlp = _recompute_mlp(cfg, params, x2, None, projs, kern)
     y = x2 + projs(mlp["m"], DOWN)[0]
     # saved: inputs, x2 (the residual stream between the halves, so that the backward recomputes the MLP half
     # first and the attention half only after it: the two halves' activations are never alive together) and the
-    # fp32 row statistics r1, r2 [B, T] and lse [B, Hkv, G, T]; everything else is recomputed
-    return y, (params, lora, x, positions, attention_mask, dropout_key, x2, att["r1"], mlp["r2"], att["lse"])
+    # fp32 row statistics r1, r2 [B, T] and lse [B, Hkv, G, T]; everything else is recomputed. The segment ids (an
+    # input, integer [B, T]) are appended only when given
+    saved = (params, lora, x, positions, attention_mask, dropout_key, x2, att["r1"], mlp["r2"], att["lse"])
+    return y, saved + (() if segment_ids is None else (segment_ids,))
 
 
 def _block_bwd(cfg, lcfg, attn, kern, res, dy):
-    params, lora, x, positions, attention_mask, dropout_key, x2, r1, r2, lse = res
+    params, lora, x, positions, attention_mask, dropout_key, x2, r1, r2, lse = res[:10]
+    segment_ids = res[10] if len(res) > 10 else None
     dt = x.dtype
     cdt = jnp.promote_types(dt, jnp.float32)  # gradient sums stay in fp32 (f64 for f64) until the end
     b, t, _ = x.shape
@@ -515,18 +468,13 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     x_late = x
     if kern.low_memory:
         x_late, dx2 = jax.lax.optimization_barrier((x, dx2))
-    act.update(_recompute_attention(cfg, attn, params, x_late, positions, attention_mask, r1, lse, projs, kern))
+    act.update(_recompute_attention(cfg, attn, params, x_late, positions, attention_mask, r1, lse, projs, kern,
+                                    segment_ids))
     # residual 1: x2 = x + o_proj(attn)
     do = projs_bwd(act["o2"], O_PROJ, [dx2]).reshape(b, t, hq, d)
-    if attn == "pallas":
-        # the same equations as attention_bwd in Pallas kernels (D = rowsum(P dP) from the fp32 P, in the dQ kernel)
-        dqr, dkr, dv = flash_attention_bwd(act["q"], act["k"], act["v"], lse, do, attention_mask,
-                                           interpret=kern.interpret)
-    elif attn != "xla":
-        dqr, dkr, dv = act["attn_pullback"](do.astype(dt))
-    else:
-        # dS = P (dP - rowsum(P dP)), dQ = c dS K, dK = c sum_g dS^T Q, dV = sum_g P^T dO
-        dqr, dkr, dv = attention_bwd(act["q"], act["k"], act["v"], lse, do, attention_mask)
+    # attention: dS = P (dP - rowsum(P dP)), dQ = c dS K, dK = c sum_g dS^T Q, dV = sum_g P^T dO (or cuDNN's)
+    dqr, dkr, dv = attention_core_bwd(attn, act["q"], act["k"], act["v"], lse, do, attention_mask, segment_ids, kern,
+                                      act["attn_pullback"])
     # RoPE inverse: dq = dq^ cos - rotate_half(dq^ sin)
     dq = rope_bwd_x(dqr.astype(cdt), act["cos"], act["sin"]).reshape(b, t, hq * d)
     dk = rope_bwd_x(dkr.astype(cdt), act["cos"], act["sin"]).reshape(b, t, hkv * d)
@@ -541,15 +489,16 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     for g, mods in grads.items():
         for n, ab in mods.items():
             dlora[g][n] = ab
-    return dparams, dlora, dx, None, None, None
+    return dparams, dlora, dx, None, None, None, None  # positions, mask, dropout key, segment ids: no cotangent
 
 
 _block.defvjp(_block_fwd, _block_bwd)
 
 
 def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, positions=None, attention_mask=None,
-          dropout_key=None, *, backend: str = "xla", attention: str = "xla", interpret: bool | None = None,
-          group_projections: bool = False, low_memory: bool = False, fold_lora_b: bool = True):
+          dropout_key=None, *, segment_ids=None, backend: str = "xla", attention: str = "xla",
+          interpret: bool | None = None, group_projections: bool = False, low_memory: bool = False,
+          fold_lora_b: bool = True):
     """One Llama decoder block with LoRA, forward; its VJP is hand-written (see the module docstring).
 
     Args:
@@ -564,6 +513,9 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
       attention_mask: optional HF 2-D mask ``[batch, seq]`` (1 = token, 0 = padding; masks keys): any pattern on
         every backend (module docstring, "Padding masks"); a concrete mask must be 0/1 (or bool).
       dropout_key: PRNG key for ``lcfg.lora_dropout`` (no dropout without one); each module folds in its index.
+      segment_ids: optional integer ``[batch, seq]`` (packing): query ``i`` sees key ``j`` only where
+        ``segment_ids[b, i] == segment_ids[b, j]`` (module docstring, "Segment ids"); every backend and attention.
+        Give ``positions [batch, seq]`` restarting at 0 per segment for RoPE.
       backend: ``"xla"`` (the custom VJP), ``"pallas"`` (the same VJP with both RMSNorms, SwiGLU and the NF4 base
         products as Pallas kernels, :mod:`jaxgrad.lora.kernels`), ``"mosaic"`` (the same VJP with each projection's
         forward and dX as Mosaic GPU kernels where a call qualifies, else XLA) or ``"reference"``
@@ -586,27 +538,29 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         (docs/design.md).
     """
     lora = {} if lora is None else lora
-    validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
+    validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask, segment_ids)
     if backend not in BACKENDS:
         raise ValueError(f"block: 'backend' must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
     check_attention(attention, "block")
     if backend == "reference":
         return _block_reference(params, lora, x, cfg, lcfg, positions, attention_mask, dropout_key,
-                                attention=attention)
+                                attention=attention, segment_ids=segment_ids)
     # interpret only matters to the kernels: the xla backend without Pallas attention ignores it (one trace)
     kernels = backend == "pallas" or attention == "pallas"
     kern = BlockKernels(backend, None if interpret is None or not kernels else bool(interpret),
                         bool(group_projections), bool(low_memory), bool(fold_lora_b),
-                        cudnn_key_lengths=attention == "cudnn" and right_padded(attention_mask))
-    return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern)
+                        cudnn_key_lengths=(attention == "cudnn" and segment_ids is None
+                                           and right_padded(attention_mask)))
+    return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern, segment_ids)
 
 
 def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None, dropout_key=None,
-                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True):
+                implementation="xla", group_projections=False, low_memory=False, fold_lora_b=True, segment_ids=None):
     """The ``attention="cudnn"`` path of :func:`block` with any ``jax.nn.dot_product_attention`` implementation:
     private, for the tests and the benchmarks, which run it with ``"xla"`` on the CPU."""
     lora = {} if lora is None else lora
-    validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask)
+    validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask, segment_ids)
     return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
                   BlockKernels(group=bool(group_projections), low_memory=bool(low_memory), fold_b=bool(fold_lora_b),
-                               cudnn_key_lengths=right_padded(attention_mask)))
+                               cudnn_key_lengths=segment_ids is None and right_padded(attention_mask)),
+                  segment_ids)

@@ -18,6 +18,14 @@ Each micro-batch contributes ``sum_i l_ki / n_items`` (:func:`causal_lm_loss` wi
 per-micro-batch means, :math:`\frac1K \sum_k \frac{1}{n_k} \sum_i \ell_{ki}`, weights tokens of short micro-batches
 more (the bug fixed by transformers #34191); nothing here computes it.
 
+Padding-free packing: several sequences in one row, ``apply(..., positions=positions, segment_ids=segment_ids)``
+with ``segment_ids [batch, seq]`` (query ``i`` sees key ``j`` iff ``j <= i``, ``valid_j`` and
+``seg_i = seg_j``: block-diagonal causal attention on every backend) and ``positions [batch, seq]`` restarting at 0
+in each segment. With label ``-100`` at each segment's first token (HF's shift would otherwise predict it from the
+previous segment's last token) no loss crosses a boundary, and each segment's logits and its loss's gradient are
+those of the segment run alone (``tests/test_lora_packing.py``, float64); :func:`count_items` counts the
+non-ignored labels of packed rows as of any others, so the window normalisation stays exact.
+
 Gradient checkpointing: ``cfg.gradient_checkpointing`` wraps every block in ``jax.checkpoint`` with that policy
 (``"none"``: no wrapping; ``"full"``: save nothing inside a block; else a ``jax.checkpoint_policies`` name).
 """
@@ -34,7 +42,7 @@ import numpy as np
 from jaxgrad.checks import check_key
 from jaxgrad.lora.block import _block_reference, _block_sdpa, block, check_attention
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
-from jaxgrad.ops.attention import check_attention_mask
+from jaxgrad.ops.attention import check_attention_mask, check_segment_ids
 from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = ["IGNORE_INDEX", "apply", "causal_lm_loss", "count_items", "init", "init_lora", "loss_fn",
@@ -131,7 +139,7 @@ def _check_ids(input_ids, vocab: int) -> None:
                          f"params['embed_tokens']['weight']), got {ids[tuple(at)].item()} at {at}")
 
 
-def _check_model(params, lora, input_ids, cfg, lcfg, attention_mask=None):
+def _check_model(params, lora, input_ids, cfg, lcfg, attention_mask=None, segment_ids=None):
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"apply: 'cfg' must be a LlamaConfig, got {type(cfg).__name__}")
     if np.ndim(input_ids) != 2:
@@ -141,6 +149,7 @@ def _check_model(params, lora, input_ids, cfg, lcfg, attention_mask=None):
     cfg.check_seq(np.shape(input_ids)[1])
     _check_ids(input_ids, _vocab(params))
     check_attention_mask(attention_mask, *np.shape(input_ids), "apply")
+    check_segment_ids(segment_ids, *np.shape(input_ids), "apply")
     if len(params.get("layers", ())) != cfg.num_hidden_layers:
         raise ValueError(f"apply: params['layers'] has {len(params.get('layers', ()))} blocks but "
                          f"'num_hidden_layers' is {cfg.num_hidden_layers}")
@@ -180,7 +189,7 @@ def _checkpointed(fn, policy: str):
 
 
 def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = None, *, attention_mask=None,
-          positions=None, dropout_key=None, backend: str = "xla", attention: str = "xla", dtype=None,
+          positions=None, segment_ids=None, dropout_key=None, backend: str = "xla", attention: str = "xla", dtype=None,
           train_base: bool = False):
     """Logits ``[batch, seq, vocab]`` (in the activation dtype) of the causal LM.
 
@@ -196,7 +205,15 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
         the data pipeline before a jitted step.
       attention_mask: optional ``[batch, seq]`` HF mask (1 = token, 0 = padding; masks keys): any pattern, on every
         backend and attention (:mod:`jaxgrad.lora.block`, "Padding masks"); a concrete mask must be 0/1 (or bool).
-      positions: ``[seq]`` or ``[batch, seq]`` (default ``arange(seq)``).
+      positions: ``[seq]`` or ``[batch, seq]`` (default ``arange(seq)``); RoPE's positions, which for packed rows
+        restart at 0 in each segment.
+      segment_ids: optional integer ``[batch, seq]`` for padding-free packing: query ``i`` sees key ``j`` iff
+        ``j <= i``, ``attention_mask[b, j]`` (if given) and ``segment_ids[b, i] == segment_ids[b, j]``, so the
+        sequences packed into a row attend block-diagonally on every backend and attention
+        (:mod:`jaxgrad.lora.block`, "Segment ids"). With ``positions`` restarting per segment and labels ``-100``
+        at each segment's first token (no loss across a boundary), each segment's logits and its loss's gradients
+        are those of the segment run alone. Padding may be a segment of its own (e.g. 0). Must be ``[batch, seq]``
+        of an integer dtype, else an error naming ``segment_ids``.
       dropout_key: LoRA dropout key (each layer folds in its index).
       backend: ``"xla"`` (hand-written block VJP), ``"pallas"`` (the same with the block's RMSNorms and NF4 base
         products as Pallas kernels, interpret mode off-GPU; the final norm stays on XLA) or ``"reference"`` (plain
@@ -210,16 +227,17 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
     """
     check_attention(attention, "apply")
     return _apply(params, lora, input_ids, cfg, lcfg, attention_mask=attention_mask, positions=positions,
-                  dropout_key=dropout_key, backend=backend, attention=attention, dtype=dtype, train_base=train_base)
+                  segment_ids=segment_ids, dropout_key=dropout_key, backend=backend, attention=attention, dtype=dtype,
+                  train_base=train_base)
 
 
-def _apply(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, positions=None, dropout_key=None,
-           backend="xla", attention="xla", dtype=None, train_base=False):
+def _apply(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, positions=None, segment_ids=None,
+           dropout_key=None, backend="xla", attention="xla", dtype=None, train_base=False):
     """:func:`apply` whose ``attention`` may also be ``"sdpa:<implementation>"``: the ``"cudnn"`` code path with
     another ``jax.nn.dot_product_attention`` implementation (``"sdpa:xla"`` runs it on the CPU; private, for the
     tests and the benchmarks; with ``backend="xla"`` or ``"reference"`` only)."""
     lora = {"layers": [{} for _ in range(cfg.num_hidden_layers)]} if lora is None else lora
-    _check_model(params, lora, input_ids, cfg, lcfg, attention_mask)
+    _check_model(params, lora, input_ids, cfg, lcfg, attention_mask, segment_ids)
     if attention.startswith("sdpa:") and backend not in ("xla", "reference"):
         raise ValueError(f"apply: attention={attention!r} needs backend 'xla' or 'reference', got {backend!r}")
     if train_base and backend != "reference":
@@ -238,15 +256,15 @@ def _apply(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, posi
         if backend == "reference":
             def fn(layer, layer_lora, h, key):
                 return _block_reference(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, train_base,
-                                        attention=attention)
+                                        attention=attention, segment_ids=segment_ids)
         elif attention.startswith("sdpa:"):
             def fn(layer, layer_lora, h, key):
                 return _block_sdpa(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key,
-                                   implementation=attention.split(":", 1)[1])
+                                   implementation=attention.split(":", 1)[1], segment_ids=segment_ids)
         else:
             def fn(layer, layer_lora, h, key):
-                return block(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, backend=backend,
-                             attention=attention)
+                return block(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, segment_ids=segment_ids,
+                             backend=backend, attention=attention)
         h = _checkpointed(fn, cfg.gradient_checkpointing)(layer, layer_lora, h, key)
     norm = rms_norm_reference if backend == "reference" else rms_norm
     h = norm(h, params["norm"]["weight"].astype(dtype), cfg.rms_norm_eps)

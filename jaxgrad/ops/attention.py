@@ -1,9 +1,10 @@
-r"""Grouped-query causal softmax attention with an optional padding mask: reference and hand-written VJP.
+r"""Grouped-query causal softmax attention with optional padding mask and segment ids: reference and hand-written VJP.
 
 Layout (Hugging Face after the projections, before ``transpose(1, 2)``): ``q [B, T, Hq, d]``,
 ``k, v [B, T, Hkv, d]``, ``Hq = G Hkv``; query head ``h`` reads kv head ``h // G`` (HF ``repeat_kv``). Per
 (batch, q head), with :math:`c` = ``scale`` (default :math:`d^{-1/2}`) and the mask
-:math:`M_{ij} = [j \le i] \wedge \mathrm{valid}_j`:
+:math:`M_{ij} = [j \le i] \wedge \mathrm{valid}_j \wedge [\mathrm{seg}_i = \mathrm{seg}_j]` (each term present only
+when its argument is given: see "Masks" and "Segment ids" below):
 
 .. math::
 
@@ -34,6 +35,21 @@ naming ``attention_mask``; under ``jit`` the values cannot be checked, and any n
 attention implementation of the package honours every mask this way: this module, the Pallas flash-attention kernels
 (:mod:`jaxgrad.ops.flash_attention`) and the block's cuDNN path (:mod:`jaxgrad.lora.block`; it passes per-row key
 lengths only for a concrete right-padded mask, :func:`right_padded`, and a boolean mask otherwise).
+
+**Segment ids** (padding-free packing). ``segment_ids`` is an optional integer ``[B, T]`` array; query ``i`` sees
+key ``j`` iff
+
+.. math::
+
+    M_{ij} = [j \le i] \wedge \mathrm{valid}_j \wedge [\mathrm{seg}_{b,i} = \mathrm{seg}_{b,j}]
+
+so several sequences packed into one row attend block-diagonally, causally within each, and none sees another's
+keys: each segment's output and gradients are those of the segment run alone (``tests/test_lora_packing.py``).
+Padding may be given a segment of its own (e.g. 0) or masked by ``attention_mask``, or both; a query row with no
+visible key keeps the rule above (output 0, zero gradients). The ids need not be contiguous or sorted: only
+equality counts. RoPE positions restarting per segment are the caller's ``positions`` (the block's ``[B, T]``
+positions). A concrete ``segment_ids`` is checked (:func:`check_segment_ids`): ``[B, T]`` and an integer dtype,
+else an error naming ``segment_ids``; a traced one is checked for shape and dtype only.
 """
 
 from __future__ import annotations
@@ -45,15 +61,20 @@ import numpy as np
 from jaxgrad.ops.dtypes import compute_dtype
 
 __all__ = ["attention", "attention_reference", "attention_fwd", "attention_bwd", "attention_probs",
-           "check_attention_mask", "right_padded", "visible_mask"]
+           "check_attention_mask", "check_segment_ids", "right_padded", "visible_mask"]
 
 
-def visible_mask(seq: int, attention_mask: jax.Array | None = None) -> jax.Array:
-    """Boolean ``[B or 1, 1, 1, T, T]`` mask, True where query ``i`` may see key ``j`` (causal and not padding)."""
-    causal = jnp.tril(jnp.ones((seq, seq), bool))
-    if attention_mask is None:
-        return causal[None, None, None]
-    return causal[None, None, None] & (jnp.asarray(attention_mask) != 0)[:, None, None, None, :]
+def visible_mask(seq: int, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None
+                 ) -> jax.Array:
+    """Boolean ``[B or 1, 1, 1, T, T]`` mask ``M_ij``, True where query ``i`` may see key ``j``: causal, not padding
+    and, with ``segment_ids``, in the query's segment."""
+    mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None, None]
+    if attention_mask is not None:
+        mask = mask & (jnp.asarray(attention_mask) != 0)[:, None, None, None, :]
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        mask = mask & (seg[:, :, None] == seg[:, None, :])[:, None, None]
+    return mask
 
 
 def _concrete(a) -> bool:
@@ -84,6 +105,23 @@ def check_attention_mask(attention_mask, batch: int, seq: int, where: str = "att
                          f"{m[tuple(at)].item()!r} at {at}")
 
 
+def check_segment_ids(segment_ids, batch: int, seq: int, where: str = "attention") -> None:
+    """Segment ids (packing): ``[batch, seq]`` of an integer dtype (bool is not one). Raises a ``ValueError`` (wrong
+    shape) or ``TypeError`` (wrong dtype) naming ``segment_ids``, prefixed by ``where``. Shape and dtype are known
+    under ``jit`` too; the values are free (any integers: only equality counts)."""
+    if segment_ids is None:
+        return
+    if not hasattr(segment_ids, "dtype"):
+        segment_ids = np.asarray(segment_ids)
+    if tuple(np.shape(segment_ids)) != (batch, seq):
+        raise ValueError(f"{where}: 'segment_ids' must be [batch, seq] = {(batch, seq)} (one segment id per token), "
+                         f"got {tuple(np.shape(segment_ids))}")
+    dtype = np.dtype(segment_ids.dtype)
+    if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{where}: 'segment_ids' must be an integer array (one segment id per token), got dtype "
+                        f"{dtype}")
+
+
 def right_padded(attention_mask) -> bool:
     """Whether ``attention_mask`` is concrete and right padding: in every row, tokens first, then padding only (a row
     of padding only included). Then per-row key lengths describe it exactly. ``False`` for ``None`` and under
@@ -94,7 +132,7 @@ def right_padded(attention_mask) -> bool:
     return bool(np.all(valid[..., 1:] <= valid[..., :-1]))
 
 
-def _check(q, k, v, attention_mask):
+def _check(q, k, v, attention_mask, segment_ids=None):
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != 4:
             raise ValueError(f"attention: '{name}' must be [batch, seq, heads, head_dim], got shape {a.shape}")
@@ -108,6 +146,7 @@ def _check(q, k, v, attention_mask):
     if hq % k.shape[2]:
         raise ValueError(f"attention: query heads ({hq}) must be a multiple of kv heads ({k.shape[2]})")
     check_attention_mask(attention_mask, b, t)
+    check_segment_ids(segment_ids, b, t)
 
 
 def _grouped(q, hkv):
@@ -136,13 +175,14 @@ def attention_probs(s, lse, mask):
     return jnp.where(mask & jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0.0)
 
 
-def attention_reference(q, k, v, attention_mask=None, scale=None):
-    """Plain JAX (differentiated by ``jax.grad``): masked softmax(c Q K^T) V with GQA, HF head order."""
-    _check(q, k, v, attention_mask)
+def attention_reference(q, k, v, attention_mask=None, scale=None, segment_ids=None):
+    """Plain JAX (differentiated by ``jax.grad``): masked softmax(c Q K^T) V with GQA, HF head order; the mask
+    ``M_ij`` of the module docstring (causal, padding, segments)."""
+    _check(q, k, v, attention_mask, segment_ids)
     b, t, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
     cdt = compute_dtype(q.dtype)
-    mask = visible_mask(t, attention_mask)
+    mask = visible_mask(t, attention_mask, segment_ids)
     s = _scores(q, k, scale)
     # Shift by the row max over all keys (finite; softmax is shift-invariant). No -inf enters the arithmetic, so
     # jaxgrad.verify's sum-of-|terms| interpreter stays finite on this reference.
@@ -154,11 +194,11 @@ def attention_reference(q, k, v, attention_mask=None, scale=None):
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def attention_fwd(q, k, v, attention_mask=None, scale=None):
+def attention_fwd(q, k, v, attention_mask=None, scale=None, segment_ids=None):
     """``(o, lse)``: output ``[B, T, Hq, d]`` in q's dtype and log-sum-exp ``[B, Hkv, G, T]`` in fp32."""
     b, t, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    mask = visible_mask(t, attention_mask)
+    mask = visible_mask(t, attention_mask, segment_ids)
     s = _scores(q, k, scale)
     lse = _masked_lse(s, mask)
     p = attention_probs(s, lse, mask)
@@ -166,13 +206,13 @@ def attention_fwd(q, k, v, attention_mask=None, scale=None):
     return o.reshape(b, t, hq, d).astype(q.dtype), lse
 
 
-def attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None):
+def attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, segment_ids=None):
     """``(dq, dk, dv)`` from the saved ``lse`` (P recomputed); GQA group sums included."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     scale = d ** -0.5 if scale is None else scale
     cdt = compute_dtype(q.dtype)
-    mask = visible_mask(t, attention_mask)
+    mask = visible_mask(t, attention_mask, segment_ids)
     s = _scores(q, k, scale)
     p = attention_probs(s, lse, mask)  # recomputed, not saved
     dog = _grouped(do.astype(cdt), hkv)
@@ -189,29 +229,29 @@ def attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None):
     return dq.reshape(b, t, hq, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _attention_impl(q, k, v, attention_mask, scale):
-    return attention_fwd(q, k, v, attention_mask, scale)[0]
+def _attention_impl(q, k, v, attention_mask, segment_ids, scale):
+    return attention_fwd(q, k, v, attention_mask, scale, segment_ids)[0]
 
 
-_attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(4,))
+_attention = jax.custom_vjp(_attention_impl, nondiff_argnums=(5,))
 
 
-def _fwd(q, k, v, attention_mask, scale):
-    o, lse = attention_fwd(q, k, v, attention_mask, scale)
-    return o, (q, k, v, lse, attention_mask)
+def _fwd(q, k, v, attention_mask, segment_ids, scale):
+    o, lse = attention_fwd(q, k, v, attention_mask, scale, segment_ids)
+    return o, (q, k, v, lse, attention_mask, segment_ids)
 
 
 def _bwd(scale, res, do):
-    q, k, v, lse, attention_mask = res
-    dq, dk, dv = attention_bwd(q, k, v, lse, do, attention_mask, scale)
-    return dq, dk, dv, None
+    q, k, v, lse, attention_mask, segment_ids = res
+    dq, dk, dv = attention_bwd(q, k, v, lse, do, attention_mask, scale, segment_ids)
+    return dq, dk, dv, None, None  # the mask and the segment ids are not differentiated
 
 
 _attention.defvjp(_fwd, _bwd)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, attention_mask: jax.Array | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, *, segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention with a hand-written VJP (saves the fp32 log-sum-exp, recomputes P).
 
     Args:
@@ -220,16 +260,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, attention_mask: jax.Arra
       attention_mask: optional ``[batch, seq]`` (1 = token, 0 = padding; masks keys; any pattern, see the module
         docstring; checked to be 0/1 where concrete), not differentiated.
       scale: score scale, default ``head_dim ** -0.5``.
+      segment_ids: optional integer ``[batch, seq]`` (packing): query ``i`` sees key ``j`` only where
+        ``segment_ids[b, i] == segment_ids[b, j]`` (module docstring, "Segment ids"); not differentiated.
     """
-    _check(q, k, v, attention_mask)
-    return _attention(q, k, v, attention_mask, None if scale is None else float(scale))
+    _check(q, k, v, attention_mask, segment_ids)
+    return _attention(q, k, v, attention_mask, segment_ids, None if scale is None else float(scale))
 
 
-def attention_out_from_lse(q, k, v, lse, attention_mask=None, scale=None):
+def attention_out_from_lse(q, k, v, lse, attention_mask=None, scale=None, segment_ids=None):
     """``O = P V`` in fp32 with ``P = M exp(S - lse)`` recomputed from a saved ``lse`` (for recomputing backwards)."""
     b, t, hq, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    mask = visible_mask(t, attention_mask)
+    mask = visible_mask(t, attention_mask, segment_ids)
     s = _scores(q, k, scale)
     p = attention_probs(s, lse, mask)
     return jnp.einsum("bkgij,bjkd->bikgd", p, v, preferred_element_type=s.dtype).reshape(b, t, hq, d)
@@ -258,8 +300,25 @@ def masked_reference(q, k, v):
     return attention_reference(q, k, v, audit_padding_mask(q.shape[0], q.shape[1]))
 
 
+def audit_segment_ids(batch: int, seq: int) -> np.ndarray:
+    """The audit's packed rows ``[batch, seq]``: row ``b`` holds segments 1, 2, 3 of lengths that differ per row
+    (the boundaries fall at ``(b + 2) seq / 9`` and ``(b + 5) seq / 9``), and the last ``b`` positions are a padding
+    segment 0."""
+    seg = np.zeros((batch, seq), np.int32)
+    for b in range(batch):
+        first, second, end = (b + 2) * seq // 9, (b + 5) * seq // 9, seq - min(b, seq // 9)
+        seg[b, :first], seg[b, first:second], seg[b, second:end] = 1, 2, 3
+    return seg
+
+
+def packed_reference(q, k, v):
+    """:func:`attention_reference` under :func:`audit_segment_ids` (several sequences packed per row)."""
+    return attention_reference(q, k, v, segment_ids=audit_segment_ids(q.shape[0], q.shape[1]))
+
+
 def audit_cases():
-    """Cases for ``jaxgrad audit``: GQA (one and two groups), right-padded rows, odd sequence lengths.
+    """Cases for ``jaxgrad audit``: GQA (one and two groups), right-padded rows, odd sequence lengths; and packed rows
+    (segment ids, :func:`audit_segment_ids`: block-diagonal causal attention).
 
     Known gap: at ``(2, 37, 4, 2, 16)`` the verifier's slice test flags ``dk`` at 1.0-1.2x its limit on every seed
     tried (its f32 error concentrated in one batch row or kv head) -- with the padding mask and GQA only: without the
@@ -272,5 +331,10 @@ def audit_cases():
     def fn(q, k, v):
         return attention(q, k, v, audit_padding_mask(q.shape[0], q.shape[1]))
 
+    def packed(q, k, v):
+        return attention(q, k, v, segment_ids=audit_segment_ids(q.shape[0], q.shape[1]))
+
     sizes = ((2, 7, 3, 1, 8), (2, 13, 4, 2, 8), (2, 19, 4, 2, 8))
-    return (OpAudit("attention[xla]", fn, masked_reference, audit_make_qkv, sizes, arg_names=("q", "k", "v")),)
+    return (OpAudit("attention[xla]", fn, masked_reference, audit_make_qkv, sizes, arg_names=("q", "k", "v")),
+            OpAudit("attention[xla] packed", packed, packed_reference, audit_make_qkv, sizes,
+                    arg_names=("q", "k", "v")))

@@ -1,14 +1,23 @@
-r"""Flash attention as Pallas kernels (Triton backend): grouped-query causal attention with a padding mask.
+r"""Flash attention as Pallas kernels (Triton backend): grouped-query causal attention with a padding mask and
+segment ids.
 
 The same function as :mod:`jaxgrad.ops.attention` (read its docstring: layout ``q [B, T, Hq, d]``,
-``k, v [B, T, Hkv, d]``, query head ``h`` reads kv head ``h // G``, causal + HF 2-D key padding mask, ``lse`` saved
+``k, v [B, T, Hkv, d]``, query head ``h`` reads kv head ``h // G``, causal + HF 2-D key padding mask + segment ids
+for packed rows, ``lse`` saved
 in fp32 (f64 for f64), a query row with no visible key gives output 0 and zero gradients), computed block by block
 so that no ``T x T`` matrix ever reaches HBM, in the style of JAX's ``pallas/ops/gpu/attention.py``. Kernel,
 reference (:func:`jaxgrad.ops.attention.attention_reference`) and ``custom_vjp`` are in this one file; kernels are
 compiled through :mod:`jaxgrad.pallas_backend` (Triton on a GPU, interpret mode elsewhere, any dtype).
 
-Notation per (batch, q head), :math:`c` = ``scale``, :math:`M_{ij} = [j \le i] \wedge \mathrm{valid}_j`, blocks
-:math:`Q_I` (``block_q`` rows) and :math:`K_J, V_J` (``block_k`` rows).
+Notation per (batch, q head), :math:`c` = ``scale``,
+:math:`M_{ij} = [j \le i] \wedge \mathrm{valid}_j \wedge [\mathrm{seg}_i = \mathrm{seg}_j]` (the segment term only
+with ``segment_ids``), blocks :math:`Q_I` (``block_q`` rows) and :math:`K_J, V_J` (``block_k`` rows).
+
+**Segment ids** (packing). With ``segment_ids [B, T]`` every kernel also loads the segment ids of its q rows and of
+each kv block it visits and masks :math:`\mathrm{seg}_i \ne \mathrm{seg}_j` like a causal or padding entry, so
+packed sequences attend block-diagonally. Without them the kernels take no segment input and do no comparison. The
+loops still visit every kv block up to the causal limit (a block wholly in earlier segments contributes exact
+zeros); skipping such blocks needs contiguous segments, which the function does not assume.
 
 **Forward** (grid: batch, q head, q block :math:`I`; loop over kv blocks :math:`J` up to the causal limit). The
 online softmax keeps per row a running max :math:`m`, a running sum :math:`l` and an unnormalised fp32 output
@@ -132,10 +141,32 @@ def _kv_blocks(i, bq, bk, seq):
 # ---------------------------------------------------------------------------------------------------------------
 # Forward kernel
 # ---------------------------------------------------------------------------------------------------------------
-def _fwd_kernel(q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, *, seq, head_dim, scale, block_k):
+def _segments(refs, segmented: bool):
+    """``(segq_ref, segk_ref, rest)``: a kernel's two segment-id inputs (the q rows' and the keys') when it has them
+    (``segmented``), else ``None, None``; ``rest`` are its outputs."""
+    return (refs[0], refs[1], refs[2:]) if segmented else (None, None, refs)
+
+
+def _same_segment(seg_rows, segk_ref, start, n, col_in):
+    """``[rows, n]``: whether key ``start + c`` is in the segment of each row (``None`` without segment ids)."""
+    if seg_rows is None:
+        return None
+    seg_cols = pb.masked_load(segk_ref.at[pl.ds(start, n)], col_in, other=0)
+    return seg_rows[:, None] == seg_cols[None, :]
+
+
+def _visible(rows, cols, col_in, valid, same):
+    """``M`` of one (q block, kv block): causal, a valid key inside the sequence, and (``same``) in the row's segment."""
+    visible = (cols[None, :] <= rows[:, None]) & (valid & col_in)[None, :]
+    return visible if same is None else visible & same
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, valid_ref, *refs, seq, head_dim, scale, block_k, segmented):
     """One (batch, q head, q block): online softmax over the kv blocks up to the causal limit."""
     (bq, bd), bk = q_ref.shape, block_k
+    segq_ref, segk_ref, (o_ref, lse_ref) = _segments(refs, segmented)
     cdt, i, rows, row_in, dmask, q = _q_block(q_ref, seq, head_dim)
+    seg_rows = None if segq_ref is None else pb.masked_load(segq_ref, row_in, other=0)
 
     def body(j, carry):
         acc, m, l = carry
@@ -144,9 +175,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, *, seq, head_dim
         k = pb.masked_load(k_ref.at[pl.ds(j * bk, bk), :], kv_mask)
         v = pb.masked_load(v_ref.at[pl.ds(j * bk, bk), :], kv_mask).astype(cdt)
         valid = pb.masked_load(valid_ref.at[pl.ds(j * bk, bk)], col_in, other=0) != 0
-        # S = c Q K^T (fp32 accumulator), -inf where not visible (causal, padding, past T)
+        # S = c Q K^T (fp32 accumulator), -inf where not visible (causal, padding, past T, another segment)
         s = scale * jnp.dot(q, k.T, preferred_element_type=cdt)
-        visible = (cols[None, :] <= rows[:, None]) & (valid & col_in)[None, :]
+        visible = _visible(rows, cols, col_in, valid, _same_segment(seg_rows, segk_ref, j * bk, bk, col_in))
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_hat = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no (-inf) - (-inf) while a row has seen nothing
@@ -174,7 +205,17 @@ def _valid(attention_mask, b, t):
     return (jnp.asarray(attention_mask) != 0).astype(jnp.int32)
 
 
-def flash_attention_fwd(q, k, v, attention_mask=None, scale=None, *, interpret=None, block_q=None, block_k=None):
+def _segment_inputs(segment_ids):
+    """The kernels' segment ids: integers of up to 32 bits as int32 (a bijection, so equality is kept), wider ones
+    as they are; ``()`` without segment ids."""
+    if segment_ids is None:
+        return ()
+    seg = jnp.asarray(segment_ids)
+    return (seg.astype(jnp.int32) if seg.dtype.itemsize <= 4 else seg,)
+
+
+def flash_attention_fwd(q, k, v, attention_mask=None, scale=None, *, interpret=None, block_q=None, block_k=None,
+                        segment_ids=None):
     """``(o, lse)`` as :func:`jaxgrad.ops.attention.attention_fwd`: ``o [B, T, Hq, d]`` in q's dtype, ``lse
     [B, Hkv, G, T]`` in fp32 (f64 for f64), ``-inf`` on rows with no visible key. Pallas kernel, no ``T x T``."""
     b, t, hq, d = q.shape
@@ -183,8 +224,11 @@ def flash_attention_fwd(q, k, v, attention_mask=None, scale=None, *, interpret=N
     scale = d ** -0.5 if scale is None else float(scale)
     bq, bk, bd = _blocks(t, d, block_q, block_k)
     tk = pl.cdiv(t, bk) * bk  # the whole-sequence k/v block, padded to a multiple of bk (masked)
+    seg = _segment_inputs(segment_ids)
+    seg_specs = [pl.BlockSpec((None, bq), lambda bi, h, i: (bi, i)),  # segment ids of the q rows
+                 pl.BlockSpec((None, tk), lambda bi, h, i: (bi, 0))] if seg else []  # and of the keys
     call = pb.pallas_call(
-        functools.partial(_fwd_kernel, seq=t, head_dim=d, scale=scale, block_k=bk),
+        functools.partial(_fwd_kernel, seq=t, head_dim=d, scale=scale, block_k=bk, segmented=bool(seg)),
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hkv, g, t), compute_dtype(q.dtype))],
         grid=(b, hq, pl.cdiv(t, bq)),
         in_specs=[
@@ -192,7 +236,7 @@ def flash_attention_fwd(q, k, v, attention_mask=None, scale=None, *, interpret=N
             pl.BlockSpec((None, tk, None, bd), lambda bi, h, i: (bi, 0, h // g, 0)),  # k: kv head h // G, all T
             pl.BlockSpec((None, tk, None, bd), lambda bi, h, i: (bi, 0, h // g, 0)),  # v
             pl.BlockSpec((None, tk), lambda bi, h, i: (bi, 0)),  # key validity
-        ],
+        ] + seg_specs,
         out_specs=[
             pl.BlockSpec((None, bq, None, bd), lambda bi, h, i: (bi, i, h, 0)),
             pl.BlockSpec((None, None, None, bq), lambda bi, h, i: (bi, h // g, h % g, i)),
@@ -201,26 +245,28 @@ def flash_attention_fwd(q, k, v, attention_mask=None, scale=None, *, interpret=N
         interpret=interpret,
         num_warps=_warps(bd),
     )
-    o, lse = call(q, k, v, _valid(attention_mask, b, t))
+    o, lse = call(q, k, v, _valid(attention_mask, b, t), *(seg * 2))
     return o, lse
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Backward kernels
 # ---------------------------------------------------------------------------------------------------------------
-def _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt):
+def _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt, same=None):
     """``P = M exp(S - lse)`` of one (q block, kv block), recomputed; 0 where not visible or ``lse = -inf``."""
     s = scale * jnp.dot(q, k.T, preferred_element_type=cdt)
     row_ok = row_in & (lse != -jnp.inf)
     lse_safe = jnp.where(row_ok, lse, 0.0)
-    visible = (cols[None, :] <= rows[:, None]) & (valid & col_in)[None, :] & row_ok[:, None]
+    visible = _visible(rows, cols, col_in, valid, same) & row_ok[:, None]
     return jnp.where(visible, jnp.exp(s - lse_safe[:, None]), 0.0)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, do_ref, dq_ref, dd_ref, *, seq, head_dim, scale, block_k):
+def _dq_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, do_ref, *refs, seq, head_dim, scale, block_k, segmented):
     """One (batch, q head, q block): first loop D = rowsum(P dP), second loop dQ = c sum_J P (dP - D) K_J."""
     (bq, bd), bk = q_ref.shape, block_k
+    segq_ref, segk_ref, (dq_ref, dd_ref) = _segments(refs, segmented)
     cdt, i, rows, row_in, dmask, q = _q_block(q_ref, seq, head_dim)
+    seg_rows = None if segq_ref is None else pb.masked_load(segq_ref, row_in, other=0)
     do = pb.masked_load(do_ref, row_in[:, None] & dmask).astype(cdt)
     lse = pb.masked_load(lse_ref, row_in, other=-jnp.inf)
 
@@ -230,7 +276,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, do_ref, dq_ref, dd_ref, 
         k = pb.masked_load(k_ref.at[pl.ds(j * bk, bk), :], kv_mask)
         v = pb.masked_load(v_ref.at[pl.ds(j * bk, bk), :], kv_mask).astype(cdt)
         valid = pb.masked_load(valid_ref.at[pl.ds(j * bk, bk)], col_in, other=0) != 0
-        p = _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt)
+        same = _same_segment(seg_rows, segk_ref, j * bk, bk, col_in)
+        p = _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt, same)
         dp = jnp.dot(do, v.T, preferred_element_type=cdt)  # dP = dO V^T
         return k, p, dp
 
@@ -251,11 +298,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, do_ref, dq_ref, dd_ref, 
     pb.masked_store(dd_ref, dd, row_in)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, dd_ref, do_ref, dk_ref, dv_ref, *, seq, head_dim, scale,
-                block_q, groups):
+def _dkv_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, dd_ref, do_ref, *refs, seq, head_dim, scale, block_q,
+                groups, segmented):
     """One (batch, kv head, kv block J): dK_J = c sum_g sum_{I >= J} dS^T Q, dV_J = sum_g sum_{I >= J} P^T dO."""
     bk, bd = k_ref.shape
     bq = block_q
+    segq_ref, segk_ref, (dk_ref, dv_ref) = _segments(refs, segmented)  # segq: every q row; segk: block J's keys
     cdt = compute_dtype(q_ref.dtype)
     j = pl.program_id(2)
     cols, col_in = _row_mask(j * bk, bk, seq)
@@ -264,6 +312,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, dd_ref, do_ref, dk_ref,
     k = pb.masked_load(k_ref, kv_mask)
     v = pb.masked_load(v_ref, kv_mask).astype(cdt)
     valid = pb.masked_load(valid_ref, col_in, other=0) != 0
+    seg_cols = None if segk_ref is None else pb.masked_load(segk_ref, col_in, other=0)
     first_q = _div(j * bk, bq)  # the first q block with a row >= j bk (causal: earlier ones see none of J)
     n_q = pl.cdiv(seq, bq)
 
@@ -276,7 +325,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, dd_ref, do_ref, dk_ref,
             do = pb.masked_load(do_ref.at[pl.ds(i * bq, bq), g, :], qd_mask).astype(cdt)
             lse = pb.masked_load(lse_ref.at[g, pl.ds(i * bq, bq)], row_in, other=-jnp.inf)
             dd = pb.masked_load(dd_ref.at[g, pl.ds(i * bq, bq)], row_in)
-            p = _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt)
+            same = None if seg_cols is None else \
+                pb.masked_load(segq_ref.at[pl.ds(i * bq, bq)], row_in, other=0)[:, None] == seg_cols[None, :]
+            p = _probs(q, k, lse, rows, row_in, cols, col_in, valid, scale, cdt, same)
             dp = jnp.dot(do, v.T, preferred_element_type=cdt)  # dP = dO V^T
             ds = p * (dp - dd[:, None])  # dS = P (dP - D)
             dv = dv + jnp.dot(p.T, do, preferred_element_type=cdt)  # dV += P^T dO
@@ -292,7 +343,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, valid_ref, lse_ref, dd_ref, do_ref, dk_ref,
 
 
 def flash_attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, *, interpret=None, block_q=None,
-                        block_k=None):
+                        block_k=None, segment_ids=None):
     """``(dq, dk, dv)`` as :func:`jaxgrad.ops.attention.attention_bwd`, from the saved ``lse`` (``P`` recomputed
     block by block); ``do`` is read in its own dtype (the block passes fp32 gradient sums)."""
     b, t, hq, d = q.shape
@@ -304,10 +355,11 @@ def flash_attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, *, in
     valid = _valid(attention_mask, b, t)
     cdt = compute_dtype(q.dtype)
     lse = lse.astype(cdt)
+    seg = _segment_inputs(segment_ids)
 
     # dQ and D: grid over (batch, q head, q block), as the forward
     dq, dd = pb.pallas_call(
-        functools.partial(_dq_kernel, seq=t, head_dim=d, scale=scale, block_k=bk),
+        functools.partial(_dq_kernel, seq=t, head_dim=d, scale=scale, block_k=bk, segmented=bool(seg)),
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hkv, g, t), cdt)],
         grid=(b, hq, pl.cdiv(t, bq)),
         in_specs=[
@@ -317,7 +369,8 @@ def flash_attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, *, in
             pl.BlockSpec((None, tk), lambda bi, h, i: (bi, 0)),  # key validity
             pl.BlockSpec((None, None, None, bq), lambda bi, h, i: (bi, h // g, h % g, i)),  # lse
             pl.BlockSpec((None, bq, None, bd), lambda bi, h, i: (bi, i, h, 0)),  # dO
-        ],
+        ] + ([pl.BlockSpec((None, bq), lambda bi, h, i: (bi, i)),  # segment ids of the q rows
+              pl.BlockSpec((None, tk), lambda bi, h, i: (bi, 0))] if seg else []),  # and of the keys
         out_specs=[
             pl.BlockSpec((None, bq, None, bd), lambda bi, h, i: (bi, i, h, 0)),  # dq
             pl.BlockSpec((None, None, None, bq), lambda bi, h, i: (bi, h // g, h % g, i)),  # D
@@ -325,11 +378,11 @@ def flash_attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, *, in
         name="flash_attention_dq",
         interpret=interpret,
         num_warps=_warps(bd),
-    )(q, k, v, valid, lse, do)
+    )(q, k, v, valid, lse, do, *(seg * 2))
 
     # dK, dV: grid over (batch, kv head, kv block); the G heads of the group are the block's head axis
     dk, dv = pb.pallas_call(
-        functools.partial(_dkv_kernel, seq=t, head_dim=d, scale=scale, block_q=bq, groups=g),
+        functools.partial(_dkv_kernel, seq=t, head_dim=d, scale=scale, block_q=bq, groups=g, segmented=bool(seg)),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(b, hkv, pl.cdiv(t, bk)),
         in_specs=[
@@ -340,7 +393,8 @@ def flash_attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, *, in
             pl.BlockSpec((None, None, g, tq), lambda bi, h, j: (bi, h, 0, 0)),  # lse of the group
             pl.BlockSpec((None, None, g, tq), lambda bi, h, j: (bi, h, 0, 0)),  # D of the group
             pl.BlockSpec((None, tq, g, bd), lambda bi, h, j: (bi, 0, h, 0)),  # dO of the group
-        ],
+        ] + ([pl.BlockSpec((None, tq), lambda bi, h, j: (bi, 0)),  # segment ids of every q row
+              pl.BlockSpec((None, bk), lambda bi, h, j: (bi, j))] if seg else []),  # and of block J's keys
         out_specs=[
             pl.BlockSpec((None, bk, None, bd), lambda bi, h, j: (bi, j, h, 0)),
             pl.BlockSpec((None, bk, None, bd), lambda bi, h, j: (bi, j, h, 0)),
@@ -348,32 +402,32 @@ def flash_attention_bwd(q, k, v, lse, do, attention_mask=None, scale=None, *, in
         name="flash_attention_dkv",
         interpret=interpret,
         num_warps=_warps(bd),
-    )(q, k, v, valid, lse, dd, do)
+    )(q, k, v, valid, lse, dd, do, *(seg * 2))
     return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public op
 # ---------------------------------------------------------------------------------------------------------------
-def _flash_impl(q, k, v, attention_mask, scale, interpret, block_q, block_k):
+def _flash_impl(q, k, v, attention_mask, segment_ids, scale, interpret, block_q, block_k):
     return flash_attention_fwd(q, k, v, attention_mask, scale, interpret=interpret, block_q=block_q,
-                               block_k=block_k)[0]
+                               block_k=block_k, segment_ids=segment_ids)[0]
 
 
-_flash = jax.custom_vjp(_flash_impl, nondiff_argnums=(4, 5, 6, 7))
+_flash = jax.custom_vjp(_flash_impl, nondiff_argnums=(5, 6, 7, 8))
 
 
-def _fwd(q, k, v, attention_mask, scale, interpret, block_q, block_k):
+def _fwd(q, k, v, attention_mask, segment_ids, scale, interpret, block_q, block_k):
     o, lse = flash_attention_fwd(q, k, v, attention_mask, scale, interpret=interpret, block_q=block_q,
-                                 block_k=block_k)
-    return o, (q, k, v, lse, attention_mask)  # as attention.py: no O, no P saved
+                                 block_k=block_k, segment_ids=segment_ids)
+    return o, (q, k, v, lse, attention_mask, segment_ids)  # as attention.py: no O, no P saved
 
 
 def _bwd(scale, interpret, block_q, block_k, res, do):
-    q, k, v, lse, attention_mask = res
+    q, k, v, lse, attention_mask, segment_ids = res
     dq, dk, dv = flash_attention_bwd(q, k, v, lse, do, attention_mask, scale, interpret=interpret,
-                                     block_q=block_q, block_k=block_k)
-    return dq, dk, dv, None
+                                     block_q=block_q, block_k=block_k, segment_ids=segment_ids)
+    return dq, dk, dv, None, None  # the mask and the segment ids are not differentiated
 
 
 _flash.defvjp(_fwd, _bwd)
@@ -381,29 +435,37 @@ _flash.defvjp(_fwd, _bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, attention_mask: jax.Array | None = None,
                     scale: float | None = None, *, interpret: bool | None = None, block_q: int | None = None,
-                    block_k: int | None = None) -> jax.Array:
+                    block_k: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention as Pallas flash-attention kernels with a hand-written VJP (saves the fp32 ``lse``).
 
-    Same function and arguments as :func:`jaxgrad.ops.attention.attention`, plus:
+    Same function and arguments as :func:`jaxgrad.ops.attention.attention` (``segment_ids`` included: packed rows
+    attend block-diagonally), plus:
       interpret: Pallas interpret mode (``None``: on unless JAX's default backend is a GPU).
       block_q, block_k: upper bounds of the q and kv blocks (powers of two >= 16; default 64, clipped to the
         sequence). ``T`` need not be a multiple of either.
     """
-    _check(q, k, v, attention_mask)
+    _check(q, k, v, attention_mask, segment_ids)
     _blocks(q.shape[1], q.shape[3], block_q, block_k)  # argument errors now, not inside a trace
-    return _flash(q, k, v, attention_mask, None if scale is None else float(scale),
+    return _flash(q, k, v, attention_mask, segment_ids, None if scale is None else float(scale),
                   None if interpret is None else bool(interpret), block_q, block_k)
 
 
 def audit_cases():
     """Cases for ``jaxgrad audit``: the kernels (16-row blocks, so several q and kv blocks and a partial last one)
-    on the inputs and padding of :func:`jaxgrad.ops.attention.audit_cases`."""
-    from jaxgrad.ops.attention import audit_make_qkv, audit_padding_mask, masked_reference
+    on the inputs, padding and packed rows (segment ids) of :func:`jaxgrad.ops.attention.audit_cases`."""
+    from jaxgrad.ops.attention import (audit_make_qkv, audit_padding_mask, audit_segment_ids, masked_reference,
+                                       packed_reference)
     from jaxgrad.ops.registry import OpAudit
 
     def fn(q, k, v):
         return flash_attention(q, k, v, audit_padding_mask(q.shape[0], q.shape[1]), block_q=16, block_k=16)
 
+    def packed(q, k, v):
+        return flash_attention(q, k, v, segment_ids=audit_segment_ids(q.shape[0], q.shape[1]), block_q=16,
+                               block_k=16)
+
     sizes = ((2, 7, 3, 1, 8), (2, 37, 4, 2, 16), (2, 77, 4, 2, 32))
     return (OpAudit("flash_attention[pallas]", fn, masked_reference, audit_make_qkv, sizes,
-                    arg_names=("q", "k", "v"), backend="pallas", interpret_sizes=sizes[:2]),)
+                    arg_names=("q", "k", "v"), backend="pallas", interpret_sizes=sizes[:2]),
+            OpAudit("flash_attention[pallas] packed", packed, packed_reference, audit_make_qkv, sizes,
+                    arg_names=("q", "k", "v"), backend="pallas", interpret_sizes=sizes[:2]))
