@@ -13,6 +13,8 @@
     jaxgrad train kan configs/kan.toml --out runs/kan [--set train.steps=100] [--resume | --overwrite]
     jaxgrad train cnn configs/cnn.toml --out runs/cnn      (lora: configs/lora.toml)
     jaxgrad bench SUITE [--sizes small|full] ...           # a benchmark suite; jaxgrad bench --help for its options
+    jaxgrad tokenizer DATA --vocab-size N --out DIR        # a byte-level BPE tokenizer trained on local files
+    jaxgrad merge --base DIR --adapter DIR --out DIR       # adapter merged into its base (QLoRA: onto NF4), HF folder
 """
 
 from __future__ import annotations
@@ -213,6 +215,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-by", choices=("line", "paragraph", "document"), default="document",
                    help="text files: one record per line, paragraph or file (default: document)")
     p.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in DIR")
+    p = sub.add_parser("merge", help="merge a PEFT adapter into its base (QLoRA: onto the dequantised NF4 weights it "
+                                     "was trained against) and export an HF folder with the base's tokenizer")
+    p.add_argument("--base", required=True, metavar="DIR", help="the base model's HF folder (config.json, "
+                                                                 "safetensors, tokenizer files)")
+    p.add_argument("--adapter", required=True, metavar="DIR", help="the PEFT adapter folder (adapter_config.json, "
+                                                                   "adapter_model.safetensors)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the merged model")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
+                   help="dtype of the merged weights (default: the base's)")
+    q = p.add_mutually_exclusive_group()
+    q.add_argument("--nf4", dest="nf4", action="store_true", default=None,
+                   help="the adapter was trained over an NF4 base (QLoRA); default: what the adapter's run "
+                        "(run.json above --adapter) says, else dense")
+    q.add_argument("--dense", dest="nf4", action="store_false", help="the adapter was trained over the dense base")
+    p.add_argument("--nf4-blocksize", type=int, metavar="N", help="NF4 block size of the QLoRA run (default: the "
+                                                                  "run's, else 64)")
+    p.add_argument("--double-quant", action="store_true", default=None,
+                   help="the QLoRA run double-quantised its NF4 scales (default: the run's, else no)")
+    p.add_argument("--overwrite", action="store_true", help="replace a merged model already in --out")
     p = sub.add_parser("bench", help="run a benchmark suite (jaxgrad bench --help: the suites and their options)",
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="SUITE [--sizes small|full] [--out DIR] ...")
@@ -234,7 +255,26 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args.bench_args)
     if args.command == "tokenizer":
         return _tokenizer(args)
+    if args.command == "merge":
+        return _merge(args)
     return 2
+
+
+def _merge(args) -> int:
+    from jaxgrad.lora.export import merge_adapter_folder
+
+    try:
+        done = merge_adapter_folder(args.base, args.adapter, args.out, dtype=args.dtype, nf4=args.nf4,
+                                    blocksize=args.nf4_blocksize, double_quant=args.double_quant,
+                                    overwrite=args.overwrite)
+    except (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError) as err:  # AdapterError included
+        print(f"jaxgrad merge: error: {str(err).removeprefix('merge: ')}", file=sys.stderr)
+        return 2
+    onto = (f"the dequantised NF4 weights (blocksize {done['blocksize']}, double_quant {done['double_quant']})"
+            if done["nf4"] else "the dense weights")
+    print(f"jaxgrad merge: {done['merged_modules']} projections merged (scale {done['scale']:g}) onto {onto}, "
+          f"from {done['source']}; wrote {done['out']} ({done['dtype']}, with {', '.join(done['tokenizer_files']) or 'no tokenizer files'})")
+    return 0
 
 
 def _tokenizer(args) -> int:

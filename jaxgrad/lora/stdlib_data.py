@@ -33,14 +33,15 @@ import json
 import os
 import pathlib
 import re
+import sys
 import sysconfig
 import tokenize
 import warnings
 
 from jaxgrad.train.errors import DataError
 
-__all__ = ["TEST_DIRS", "DocstringPairs", "docstring_pairs", "stdlib_files", "stdlib_root", "stdlib_text",
-           "write_jsonl"]
+__all__ = ["TEST_DIRS", "DocstringPairs", "docstring_pairs", "file_records", "main", "split_by_example",
+           "stdlib_files", "stdlib_root", "stdlib_text", "write_jsonl"]
 
 #: folders of tests inside the standard library (``test``, ``tests``, ``idle_test``): left out where asked
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
@@ -274,3 +275,88 @@ def write_jsonl(records, path: str | os.PathLike) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(lines), encoding="utf-8")
     return path
+
+
+# ------------------------------------------------------------------------------------------------ the command line
+
+
+def split_by_example(records, held_out: float, seed: int = 0) -> tuple[list, list]:
+    """``(train, held_out)``: ``round(held_out * n)`` records (at least 1) drawn by ``numpy.random.default_rng(seed)``
+    are held out, the rest train; both keep the records' order."""
+    import numpy as np
+
+    if not isinstance(held_out, (int, float)) or isinstance(held_out, bool) or not 0.0 < held_out < 1.0:
+        raise ValueError(f"split_by_example: 'held_out' must be a fraction in (0, 1), got {held_out!r}")
+    n = len(records)
+    k = max(1, int(round(held_out * n)))
+    if n < 2:
+        raise ValueError(f"split_by_example: {n} record(s) cannot be split into a train and a held-out part")
+    chosen = set(np.random.default_rng(seed).choice(n, size=min(k, n - 1), replace=False).tolist())
+    return ([r for i, r in enumerate(records) if i not in chosen], [r for i, r in enumerate(records) if i in chosen])
+
+
+def file_records(pattern: str = "*.py", *, root: str | os.PathLike | None = None) -> tuple[list[dict], list[str]]:
+    """``(records, unreadable)``: one ``{"text": source}`` record per matching file (:func:`stdlib_files`, test
+    folders excluded, sorted), and the files that could not be decoded (left out)."""
+    records, unreadable = [], []
+    for path in stdlib_files(pattern, root=root, exclude_tests=True, where="file_records"):
+        try:
+            records.append({"text": _read_source(path)})
+        except (UnicodeDecodeError, SyntaxError, LookupError):
+            unreadable.append(str(path))
+    return records, unreadable
+
+
+def main(argv=None) -> int:
+    """``python -m jaxgrad.lora.stdlib_data docstrings OUT.jsonl [--pattern P] [--max-examples N]
+    [--held-out F --eval-out EVAL.jsonl] [--seed S]`` (prompt-completion records, :func:`docstring_pairs`) or
+    ``... text OUT.jsonl [--pattern P]`` (one ``{"text"}`` record per file); prints what was written and what was
+    left out."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jaxgrad.lora.stdlib_data",
+                                     description="JSONL training data made from the standard library's source")
+    sub = parser.add_subparsers(dest="what", required=True)
+    d = sub.add_parser("docstrings", help="prompt = a function's signature, completion = its docstring")
+    d.add_argument("out", help="the JSONL file to write (the training records)")
+    d.add_argument("--pattern", default="**/*.py", help="a glob in the standard library, or an absolute path/glob "
+                                                         "(default **/*.py; test folders excluded)")
+    d.add_argument("--max-examples", type=int, default=None, help="stop after this many records")
+    d.add_argument("--held-out", type=float, default=None, metavar="F",
+                   help="hold out this fraction of the records, drawn with --seed, into --eval-out")
+    d.add_argument("--eval-out", default=None, metavar="EVAL.jsonl", help="the held-out records' file")
+    d.add_argument("--seed", type=int, default=0, help="seed of the held-out draw (default 0)")
+    t = sub.add_parser("text", help="one {\"text\": source} record per file")
+    t.add_argument("out", help="the JSONL file to write")
+    t.add_argument("--pattern", default="**/*.py", help="as for docstrings (default **/*.py)")
+    args = parser.parse_args(argv)
+    try:
+        if args.what == "text":
+            records, unreadable = file_records(args.pattern)
+            write_jsonl(records, args.out)
+            print(f"text: {len(records)} files ({sum(len(r['text']) for r in records):,} characters) -> {args.out}"
+                  f"; {len(unreadable)} undecodable file(s) left out")
+            return 0
+        if (args.held_out is None) != (args.eval_out is None):
+            parser.error("--held-out and --eval-out go together (the fraction and the file it is written to)")
+        pairs = docstring_pairs(args.pattern, max_examples=args.max_examples)
+        c = pairs.counts
+        train, held = (list(pairs), []) if args.held_out is None else split_by_example(pairs, args.held_out,
+                                                                                        args.seed)
+    except (DataError, ValueError) as err:
+        print(f"python -m jaxgrad.lora.stdlib_data: error: {err}", file=sys.stderr)
+        return 2
+    write_jsonl(train, args.out)
+    left = ", ".join(f"{c[k]} {k.replace('_', ' ')}" for k in ("no_docstring", "other_quotes", "short", "long",
+                                                                 "no_signature"))
+    print(f"docstrings: {c['functions']} functions in {c['files']} files, {c['kept']} kept (left out: {left}; "
+          f"{len(c['unparsable_files'])} unparsable file(s){'; stopped at --max-examples' if c['stopped_at_max_examples'] else ''})")
+    print(f"  {len(train)} records -> {args.out}")
+    if held:
+        write_jsonl(held, args.eval_out)
+        print(f"  {len(held)} held-out records (seed {args.seed}) -> {args.eval_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
