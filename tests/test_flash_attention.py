@@ -7,6 +7,8 @@ computed block by block. On the CPU the kernels run in Pallas interpret mode (an
 * the backward equals jax.grad of attention_reference in float64 to ~1e-12, and jaxgrad.verify passes it in
   float32 and bf16 as called; planted bugs (dv scaled by 1.01, a dropped GQA group term) fail that verification;
 * rows with no visible key give output 0 and zero gradients, never NaN;
+* segment ids (packed rows) with boundaries inside and across blocks equal the reference in float64, forward and
+  backward, and lower to Triton;
 * the LoRA block with attention="pallas" equals attention="xla" in float64;
 * the kernels lower to Triton for a GPU on any machine (power-of-two shapes, supported ops), and on a GPU they
   compile and verify at seq 2048, head_dim 128, 16 / 8 heads, bf16, and at an odd size.
@@ -85,6 +87,32 @@ def test_forward_and_backward_float64_equal_attention_fwd_and_jax_grad_of_the_re
         for name_, g, w in zip("qkv", got, want):
             assert g.dtype == jnp.float64
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-12 * float(jnp.max(jnp.abs(w))), err_msg=f"d{name_}")
+
+
+def test_segment_ids_across_block_boundaries_float64_equal_attention_fwd_and_jax_grad_of_the_reference():
+    # packed rows (segment ids), boundaries inside and at the edges of the 16- and 32-row blocks, with padding; a
+    # padding token that starts a segment leaves that row with no visible key (O = 0, lse = -inf)
+    t = 77
+    seg = np.zeros((B, t), np.int32)
+    seg[0, :16], seg[0, 16:35], seg[0, 35:70], seg[0, 70:] = 3, 1, 4, 0
+    seg[1, :5], seg[1, 5:50], seg[1, 50:] = 9, -2, 7
+    mask = padding(t, right=4, gaps=(50,))  # row 1's last segment starts with a padding token
+    with jax.enable_x64(True):
+        q, k, v = qkv(13, t, 4, 2, 16, jnp.float64)
+        o, lse = flash_attention_fwd(q, k, v, mask, block_q=16, block_k=32, segment_ids=seg)
+        o_ref, lse_ref = attention_fwd(q, k, v, mask, segment_ids=seg)
+        np.testing.assert_allclose(o, o_ref, rtol=0, atol=1e-13)
+        np.testing.assert_array_equal(jnp.isneginf(lse), jnp.isneginf(lse_ref))
+        assert bool(jnp.all(jnp.isneginf(lse[1, :, :, 50])))
+        finite = jnp.isfinite(lse_ref)
+        np.testing.assert_allclose(jnp.where(finite, lse, 0), jnp.where(finite, lse_ref, 0), rtol=0, atol=1e-13)
+        ct = jax.random.normal(jax.random.key(14), q.shape, jnp.float64)
+        got = flash_attention_bwd(q, k, v, lse, ct, mask, block_q=16, block_k=32, segment_ids=seg)
+        want = jax.vjp(lambda *a: attention_reference(*a, mask, segment_ids=seg), q, k, v)[1](ct)
+        for name_, g, w in zip("qkv", got, want):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-12 * float(jnp.max(jnp.abs(w))), err_msg=f"d{name_}")
+        # the segment term is in every kernel: without it the packed rows are one sequence
+        assert float(jnp.max(jnp.abs(flash_attention_fwd(q, k, v, mask, block_q=16, block_k=32)[0] - o))) > 1e-2
 
 
 def test_rows_with_no_visible_key_give_zero_output_and_zero_gradients_never_nan():
@@ -201,6 +229,23 @@ def test_kernels_lower_to_triton_for_a_gpu_on_any_machine(shape, monkeypatch):
 
     def loss(q, k, v, m):
         return jnp.sum(flash_attention(q, k, v, m, interpret=False).astype(jnp.float32))
+
+    low = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*spec).lower(lowering_platforms=("cuda",))
+    assert low.as_text().count("xla.gpu.triton") == 3  # forward, dQ (with D), dK/dV
+
+
+def test_kernels_with_segment_ids_lower_to_triton_for_a_gpu_on_any_machine(monkeypatch):
+    # as above, with the segment-id inputs of the three kernels (their q rows' and kv blocks' ids)
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    if not hasattr(getattr(reg, "gpu_info_lib", None), "get_gpu_info"):
+        pytest.skip("jax internals moved: no gpu_info_lib.get_gpu_info to fake")
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability="9.0"))
+    t, hq, hkv, d = 77, 4, 2, 80
+    spec = [jax.ShapeDtypeStruct((B, t, h, d), jnp.bfloat16) for h in (hq, hkv, hkv)]
+    spec += [jax.ShapeDtypeStruct((B, t), jnp.int32)] * 2
+
+    def loss(q, k, v, m, seg):
+        return jnp.sum(flash_attention(q, k, v, m, interpret=False, segment_ids=seg).astype(jnp.float32))
 
     low = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*spec).lower(lowering_platforms=("cuda",))
     assert low.as_text().count("xla.gpu.triton") == 3  # forward, dQ (with D), dK/dV

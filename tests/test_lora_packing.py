@@ -27,7 +27,7 @@ import pytest
 
 from jaxgrad.lora.block import block, block_reference
 from jaxgrad.lora.config import LlamaConfig, LoraConfig
-from jaxgrad.lora.model import IGNORE_INDEX, _apply, apply, causal_lm_loss, count_items, init, init_lora
+from jaxgrad.lora.model import IGNORE_INDEX, _apply, apply, causal_lm_loss, count_items, init, init_lora, loss_fn
 from jaxgrad.ops.attention import attention, attention_reference
 from jaxgrad.ops.flash_attention import flash_attention
 
@@ -217,14 +217,17 @@ def test_a_packed_row_equals_each_segment_alone_logits_and_lora_gradients(backen
     assert len(jax.tree.leaves(errs)) == 2 * 7 * 2 and max(jax.tree.leaves(errs)) < tol, errs
 
 
-def test_without_segment_ids_the_packed_row_differs_and_positions_are_per_row(model_case):
+def test_loss_fn_takes_segment_ids_without_them_the_row_differs_and_positions_are_per_row(model_case):
     # the comparison above can fail: without the segment term the row is one sequence. RoPE's scores depend on
     # i - j only, so inside a segment any positions p_i = i + c_b give the same function (restarting at 0 is what a
     # segment alone has, and keeps positions small); positions that are not a shift within a segment change it:
     # the [batch, seq] positions reach every row's RoPE
-    (params, lora, ids, labels, n), (want_logits, _, _) = model_case
+    (params, lora, ids, labels, n), (want_logits, want_loss, _) = model_case
     real = MASK != 0
     with jax.enable_x64(True):
+        packed = loss_fn(lora, params, ids, labels, n, CFG, LCFG, attention_mask=MASK, positions=positions_of(SEGMENTS),
+                         segment_ids=SEGMENTS)  # the training objective passes segment ids on to apply
+        assert abs(float(packed) - want_loss) < TOL * abs(want_loss)
         plain = apply(params, lora, ids, CFG, LCFG, attention_mask=MASK, positions=positions_of(SEGMENTS))
         assert rel_err(np.asarray(plain)[real], want_logits[real]) > 1e-3
         shifted = apply(params, lora, ids, CFG, LCFG, attention_mask=MASK, segment_ids=SEGMENTS)  # positions 0..18
@@ -252,11 +255,36 @@ def test_block_with_segment_ids_concrete_equals_the_reference_on_every_backend()
             assert rel_err(got, want) < (SDPA_TOL if got is sdpa else TOL), rel_err(got, want)
 
 
+def test_the_cudnn_path_takes_the_boolean_mask_with_segment_ids_never_key_lengths(monkeypatch):
+    # a concrete right-padded mask alone goes to cuDNN as key lengths; with segment ids the block-diagonal mask
+    # [B, 1, T, T] (seg_i == seg_j and valid_j) is the only form that describes it
+    calls = []
+    sdpa = jax.nn.dot_product_attention
+
+    def recording(q, *args, mask=None, key_value_seq_lengths=None, **kw):
+        calls.append("key lengths" if key_value_seq_lengths is not None else
+                     f"mask {tuple(mask.shape)}" if mask is not None else "")
+        return sdpa(q, *args, mask=mask, key_value_seq_lengths=key_value_seq_lengths, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    params = init(jax.random.key(8), CFG, std=0.3)["layers"][0]
+    lora = init_lora(jax.random.key(9), CFG, LCFG)["layers"][0]
+    x = jax.random.normal(jax.random.key(10), (2, T, CFG.hidden_size))
+    right = np.ones((2, T), np.int32)
+    right[0, 17:] = 0
+    for seg, form in ((None, "key lengths"), (SEGMENTS, f"mask {(2, 1, T + 1, T + 1)}")):  # odd T: padded by one
+        calls.clear()
+        f = lambda l, x, seg=seg: block_mod._block_sdpa(params, l, x, CFG, LCFG, attention_mask=right,  # noqa: E731
+                                                         segment_ids=seg)
+        jax.eval_shape(lambda l, x: jax.vjp(f, l, x)[1](jax.vjp(f, l, x)[0]), lora, x)  # forward and backward
+        assert set(calls) == {form}, (seg, calls)
+
+
 # ------------------------------------------------------------------------------------------------ checks
 def test_bad_segment_ids_are_refused_by_name(model_case):
     (params, lora, ids, _, _), _ = model_case  # refused before anything is computed
     bparams, blora = params["layers"][0], lora["layers"][0]
-    x = jnp.zeros((2, T, CFG.hidden_size), params["embed_tokens"]["weight"].dtype)
+    x = jnp.zeros((2, T, CFG.hidden_size))
     q, k, v = jnp.zeros((2, T, 4, 8)), jnp.zeros((2, T, 2, 8)), jnp.zeros((2, T, 2, 8))
     calls = {
         "attention": lambda s: attention(q, k, v, segment_ids=s),

@@ -156,7 +156,7 @@ def _same_segment(seg_rows, segk_ref, start, n, col_in):
 
 
 def _visible(rows, cols, col_in, valid, same):
-    """``M`` of one (q block, kv block): causal, a valid key inside the sequence, and (``same``) in the row's segment."""
+    """``M`` of one (q block, kv block): causal, a valid key inside the sequence, (``same``) in the row's segment."""
     visible = (cols[None, :] <= rows[:, None]) & (valid & col_in)[None, :]
     return visible if same is None else visible & same
 
