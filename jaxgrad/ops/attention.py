@@ -33,8 +33,9 @@ other row (as in Hugging Face; the loss ignores them). Where a mask is concrete 
 functions check it (:func:`check_attention_mask`): ``[B, T]`` and only 0 and 1 (or bool), else a ``ValueError``
 naming ``attention_mask``; under ``jit`` the values cannot be checked, and any non-zero entry is a token. Every
 attention implementation of the package honours every mask this way: this module, the Pallas flash-attention kernels
-(:mod:`jaxgrad.ops.flash_attention`) and the block's cuDNN path (:mod:`jaxgrad.lora.block`; it passes per-row key
-lengths only for a concrete right-padded mask, :func:`right_padded`, and a boolean mask otherwise).
+(:mod:`jaxgrad.ops.flash_attention`) and the block's cuDNN path (:mod:`jaxgrad.lora.block_attention`; it passes
+per-row key lengths only for a concrete right-padded mask without segment ids, :func:`right_padded`, and a boolean
+mask otherwise).
 
 **Segment ids** (padding-free packing). ``segment_ids`` is an optional integer ``[B, T]`` array; query ``i`` sees
 key ``j`` iff
@@ -46,10 +47,11 @@ key ``j`` iff
 so several sequences packed into one row attend block-diagonally, causally within each, and none sees another's
 keys: each segment's output and gradients are those of the segment run alone (``tests/test_lora_packing.py``).
 Padding may be given a segment of its own (e.g. 0) or masked by ``attention_mask``, or both; a query row with no
-visible key keeps the rule above (output 0, zero gradients). The ids need not be contiguous or sorted: only
-equality counts. RoPE positions restarting per segment are the caller's ``positions`` (the block's ``[B, T]``
-positions). A concrete ``segment_ids`` is checked (:func:`check_segment_ids`): ``[B, T]`` and an integer dtype,
-else an error naming ``segment_ids``; a traced one is checked for shape and dtype only.
+visible key keeps the rule above (output 0, zero gradients). Only equality counts: the id values are free (any
+integers, in any order), and two runs of tokens with one id in a row are one sequence. RoPE positions restarting per
+segment are the caller's ``positions`` (the block's ``[B, T]`` positions). ``segment_ids`` is checked
+(:func:`check_segment_ids`, under ``jit`` too: shape and dtype are static): ``[B, T]`` and an integer dtype, else an
+error naming ``segment_ids``.
 """
 
 from __future__ import annotations
