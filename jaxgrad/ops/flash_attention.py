@@ -3,11 +3,11 @@ segment ids.
 
 The same function as :mod:`jaxgrad.ops.attention` (read its docstring: layout ``q [B, T, Hq, d]``,
 ``k, v [B, T, Hkv, d]``, query head ``h`` reads kv head ``h // G``, causal + HF 2-D key padding mask + segment ids
-for packed rows, ``lse`` saved
-in fp32 (f64 for f64), a query row with no visible key gives output 0 and zero gradients), computed block by block
-so that no ``T x T`` matrix ever reaches HBM, in the style of JAX's ``pallas/ops/gpu/attention.py``. Kernel,
-reference (:func:`jaxgrad.ops.attention.attention_reference`) and ``custom_vjp`` are in this one file; kernels are
-compiled through :mod:`jaxgrad.pallas_backend` (Triton on a GPU, interpret mode elsewhere, any dtype).
+for packed rows, ``lse`` saved in fp32 (f64 for f64), a query row with no visible key gives output 0 and zero
+gradients), computed block by block so that no ``T x T`` matrix ever reaches HBM, in the style of JAX's
+``pallas/ops/gpu/attention.py``. Kernel, reference (:func:`jaxgrad.ops.attention.attention_reference`) and
+``custom_vjp`` are in this one file; kernels are compiled through :mod:`jaxgrad.pallas_backend` (Triton on a GPU,
+interpret mode elsewhere, any dtype).
 
 Notation per (batch, q head), :math:`c` = ``scale``,
 :math:`M_{ij} = [j \le i] \wedge \mathrm{valid}_j \wedge [\mathrm{seg}_i = \mathrm{seg}_j]` (the segment term only
