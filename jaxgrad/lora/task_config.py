@@ -240,6 +240,10 @@ class LoraFit:
             return self._scratch_config(BYTE_VOCAB if vocab_size is None else vocab_size)
         from jaxgrad.lora.hf import CheckpointError, read_llama_config
 
+        folder = pathlib.Path(self.base).expanduser()
+        if not folder.is_dir():
+            raise DataError(f"LoRA fit: 'base' {self.base!r} does not exist or is not a folder (expected a Hugging "
+                            f"Face checkpoint folder: config.json and model*.safetensors)")
         try:
             cfg = read_llama_config(pathlib.Path(self.base).expanduser(),
                                     gradient_checkpointing=self.gradient_checkpointing)
