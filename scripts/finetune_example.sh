@@ -9,15 +9,15 @@
 #   5. each adapter merged into its base (QLoRA: onto the dequantised NF4 weights) and exported as an HF folder;
 #   6. the report: held-out loss before / after, greedy generations before / after (report.json).
 #
-#   bash scripts/finetune_example.sh                  # SIZE=small: a CPU, about 2 minutes
+#   bash scripts/finetune_example.sh                  # SIZE=small: a CPU, about 1.5 minutes
 #   SIZE=gpu bash scripts/finetune_example.sh         # one H100: hidden 512, 8 layers, vocab 8192, seq 512
 #   OUT=/tmp/ex bash scripts/finetune_example.sh      # the output folder (default runs/finetune-example)
 #
-# SIZE=small: data email/*.py (20 files, 0.36 MB); vocab 1024; hidden 64, 2 layers, 4 / 2 heads, MLP 172,
-#   seq 128, batch 8; pretraining 600 steps; 216 docstrings (10 % held out); LoRA r 8, alpha 16, 300 steps.
-# SIZE=gpu: data *.py (the 164 top-level modules, 4.6 MB) for the tokenizer and pretraining, docstrings of every
-#   module (**/*.py, tests excluded: ~5600, 5 % held out); vocab 8192; hidden 512, 8 layers, 8 / 4 heads, MLP 1408,
-#   seq 512, batch 8; pretraining 2500 steps (warm-up + cosine); LoRA r 16, alpha 32, 1000 steps. float32 throughout.
+# SIZE=small: tokenizer and pretraining on *.py (the 164 top-level modules, 4.6 MB); docstrings of the packages
+#   (*/**/*.py, tests excluded: 2715, 10 % held out), new text to the base; vocab 2048; hidden 64, 2 layers, 4 / 2
+#   heads, MLP 172, seq 128, batch 8; pretraining 600 steps; LoRA r 8, alpha 16, 300 steps.
+# SIZE=gpu: the same data; vocab 8192; hidden 512, 8 layers, 8 / 4 heads, MLP 1408, seq 512, batch 8; pretraining
+#   2500 steps (warm-up + cosine, clip 1.0); LoRA r 16, alpha 32, 250 steps. float32 throughout.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
