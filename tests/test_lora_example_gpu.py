@@ -54,7 +54,9 @@ def test_the_example_exports_load_in_transformers_and_peft_with_the_same_logits(
     for mode in ("lora", "qlora"):
         loss = report["heldout_loss"][mode]
         assert loss["after"] < loss["before"], loss
-        assert loss["merged"] == pytest.approx(loss["after"], abs=1e-4)
+        # the runs evaluate at the GPU's default float32 matmul precision (TF32): W + sBA in one product against
+        # W and the adapter apart rounds differently, by more than on the CPU; the logits are compared below
+        assert loss["merged"] == pytest.approx(loss["after"], abs=2e-3)
 
     base_dir = out / "base" / "model"
     tok = load_tokenizer(base_dir)
