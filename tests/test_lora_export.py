@@ -157,6 +157,10 @@ def test_what_cannot_be_merged_as_asked_is_refused_by_name(example, tmp_path, ca
     save_hf_checkpoint(tmp_path / "other", other, init(jax.random.key(1), other))
     with pytest.raises(AdapterError, match="shape"):
         merge_adapter_folder(tmp_path / "other", adapter, tmp_path / "c")
+    elsewhere = tmp_path / "adapter-copy"  # no run.json above it: the flags say how the base was held
+    shutil.copytree(adapter, elsewhere)
+    with pytest.raises(ValueError, match="give --nf4"):
+        merge_adapter_folder(base, elsewhere, tmp_path / "e", blocksize=32)
     assert cli_main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(tmp_path / "d"),
                      "--dense"]) == 2
     assert "jaxgrad merge: error: --nf4/--dense" in capsys.readouterr().err

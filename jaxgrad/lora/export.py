@@ -74,6 +74,9 @@ def _resolve_quantization(adapter, nf4, blocksize, double_quant) -> dict:
     """The quantisation to merge onto: the run's, checked against the explicit arguments, else the arguments."""
     run = run_quantization(adapter)
     if run is None:
+        if not nf4 and (blocksize is not None or double_quant):
+            raise ValueError("merge: --nf4-blocksize / --double-quant (blocksize, double_quant) describe an NF4 base; "
+                             "give --nf4 (nf4=True) with them, or leave them out for a dense base")
         return {"nf4": bool(nf4), "blocksize": 64 if blocksize is None else blocksize,
                 "double_quant": bool(double_quant), "dtype": None, "source": "arguments" if nf4 else "default (dense)"}
     given = {"nf4": nf4, "blocksize": blocksize, "double_quant": double_quant}
