@@ -326,3 +326,30 @@ def test_gpu_block_with_cudnn_equals_the_block_with_xla_attention_for_every_mask
             for n, g, w in zip(("y", "dx", "dlora", "dnorms"), got, want):
                 for gl, wl in zip(jax.tree.leaves(g), jax.tree.leaves(w), strict=True):
                     assert_close(gl, wl, 5e-2, f"cudnn block {name} {what} {n}")
+
+
+@pytest.mark.parametrize("gap", [60.0, 200.0])
+def test_a_masked_key_scoring_far_above_the_visible_ones_changes_nothing(gap):
+    # Key 0 belongs to another packed segment and scores `gap` above every visible key. A softmax shifted by the
+    # max over all keys underflows the visible terms: at gap 200 the rows' outputs come out 0, at gap 60 the
+    # denominator ~e^-60 squares to 0 in float32 and its gradient is NaN. Shifted by the visible max, the rows
+    # average their own segment's values, and the gradients are those of the custom VJP.
+    rng = np.random.default_rng(0)
+    q = np.zeros((1, 3, 2, 4), np.float32)
+    k = np.zeros((1, 3, 1, 4), np.float32)
+    v = rng.normal(size=(1, 3, 1, 4)).astype(np.float32)
+    q[0, :, :, 0] = np.sqrt(gap * 2.0)  # scale 4^-1/2: s[i, 0] = gap, s[i, j > 0] = 0
+    k[0, 0, 0, 0] = np.sqrt(gap * 2.0)
+    seg = np.array([[1, 2, 2]])
+    want = np.stack([v[0, 0, 0], v[0, 1, 0], (v[0, 1, 0] + v[0, 2, 0]) / 2])
+    grads = {}
+    flash = functools.partial(flash_attention, interpret=True)
+    for f in (attention_reference, attention, flash):
+        out = np.asarray(f(q, k, v, segment_ids=seg))
+        np.testing.assert_allclose(out[0, :, 0], want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out[0, :, 1], want, rtol=1e-6, atol=1e-6)
+        grads[f] = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, segment_ids=seg))), argnums=(0, 1, 2))(q, k, v)
+    for f in (attention_reference, flash):
+        for g, g_vjp in zip(grads[f], grads[attention], strict=True):
+            assert np.isfinite(np.asarray(g)).all()
+            np.testing.assert_allclose(np.asarray(g), np.asarray(g_vjp), rtol=1e-5, atol=1e-6)

@@ -186,10 +186,17 @@ def attention_reference(q, k, v, attention_mask=None, scale=None, segment_ids=No
     cdt = compute_dtype(q.dtype)
     mask = visible_mask(t, attention_mask, segment_ids)
     s = _scores(q, k, scale)
-    # Shift by the row max over all keys (finite; softmax is shift-invariant). No -inf enters the arithmetic, so
-    # jaxgrad.verify's sum-of-|terms| interpreter stays finite on this reference.
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    e = jnp.where(mask, jnp.exp(s - m), 0.0)
+    # Shift by the row max over the *visible* keys (softmax is shift-invariant), so the largest visible term is
+    # e^0 = 1 and the denominator is >= 1 on every row that sees a key. A shift by the max over all keys lets a
+    # masked key (a later position, another packed segment) with a score ~100 above the visible ones underflow
+    # every visible term: the row's output silently 0, and the denominator's gradient -1/den^2 overflows to inf
+    # (a NaN gradient). Masked entries are filled with finfo.min (not -inf) and exponentiate 0 (a where before
+    # the exp), so no inf or NaN enters the arithmetic or its gradient, and jaxgrad.verify's sum-of-|terms|
+    # interpreter stays finite on this reference.
+    fill = jnp.finfo(s.dtype).min
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, s, fill), axis=-1, keepdims=True))
+    m = jnp.where(m == fill, 0.0, m)  # a row with no visible key
+    e = jnp.where(mask, jnp.exp(jnp.where(mask, s - m, 0.0)), 0.0)
     den = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(den > 0, den, 1.0)
     o = jnp.einsum("bkgij,bjkd->bikgd", p, v.astype(cdt))
