@@ -464,7 +464,7 @@ def audit_cases():
         return flash_attention(q, k, v, segment_ids=audit_segment_ids(q.shape[0], q.shape[1]), block_q=16,
                                block_k=16)
 
-    sizes = ((2, 7, 3, 1, 8), (2, 37, 4, 2, 16), (2, 77, 4, 2, 32))
+    sizes = ((2, 7, 3, 1, 8), (2, 29, 4, 2, 16), (2, 77, 4, 2, 32))
     return (OpAudit("flash_attention[pallas]", fn, masked_reference, audit_make_qkv, sizes,
                     arg_names=("q", "k", "v"), backend="pallas", interpret_sizes=sizes[:2]),
             OpAudit("flash_attention[pallas] packed", packed, packed_reference, audit_make_qkv, sizes,
