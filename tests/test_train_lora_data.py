@@ -146,3 +146,19 @@ def test_jaxgrad_tokenizer_trains_the_tokenizer_a_run_reads(folder, tmp_path, ca
     assert tok.decode(tok.encode("alpha beta", add_special_tokens=False)) == "alpha beta"
     assert cli_main(["tokenizer", str(folder / "train.jsonl"), "--vocab-size", "350", "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_the_accumulation_window_weighs_every_counted_token_the_same(folder):
+    # two packed micro-batches hold different numbers of counted labels; the engine's sum(S_j) / sum(n_j) must be
+    # the mean token loss over the whole window, as one batch of both would give it
+    from jaxgrad.lora.model import count_items
+
+    task = make_task(_fit(folder, init_lora_weights=False), device=("cpu", None))
+    params = task.init(jax.random.key(0))
+    b1, b2 = [b for _, b in zip(range(2), task.batches(0))]
+    (s1, n1), (s2, n2) = task.loss(params, b1), task.loss(params, b2)
+    assert int(n1) != int(n2)
+    both = {k: np.concatenate([b1[k], b2[k]]) for k in b1}
+    assert int(n1) + int(n2) == count_items(both["labels"]) == int(np.sum(both["n_items"]))
+    s, n = task.loss(params, both)
+    np.testing.assert_allclose(float(s1 + s2) / float(n1 + n2), float(s) / float(n), rtol=1e-6)
