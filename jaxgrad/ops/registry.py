@@ -31,6 +31,7 @@ import numpy as np
 #: The modules with ``audit_cases()``, in the order ``jaxgrad audit`` runs them.
 AUDIT_MODULES = ("jaxgrad.ops.swiglu", "jaxgrad.ops.rmsnorm", "jaxgrad.ops.rope", "jaxgrad.ops.attention",
                  "jaxgrad.ops.flash_attention", "jaxgrad.ops.lora_linear", "jaxgrad.ops.nf4_matmul",
+                 "jaxgrad.ops.lm_head_loss",
                  "jaxgrad.kan.layer", "jaxgrad.cnn.conv", "jaxgrad.lora.audit")
 
 BACKENDS = {
