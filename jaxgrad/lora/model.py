@@ -18,6 +18,11 @@ Each micro-batch contributes ``sum_i l_ki / n_items`` (:func:`causal_lm_loss` wi
 per-micro-batch means, :math:`\frac1K \sum_k \frac{1}{n_k} \sum_i \ell_{ki}`, weights tokens of short micro-batches
 more (the bug fixed by transformers #34191); nothing here computes it.
 
+The loss without logits: :func:`causal_lm_loss_fused` is ``causal_lm_loss(apply(...))`` computed as
+:func:`hidden_states` followed by :func:`jaxgrad.ops.lm_head_loss.lm_head_loss` (the head and the cross-entropy
+fused, chunked over tokens, a hand-written VJP), so the ``[batch, seq, vocab]`` logits and their gradient are never
+held; :func:`apply` is :func:`hidden_states` followed by the head's einsum.
+
 Padding-free packing: several sequences in one row, ``apply(..., positions=positions, segment_ids=segment_ids)``
 with ``segment_ids [batch, seq]`` (query ``i`` sees key ``j`` iff ``j <= i``, ``valid_j`` and
 ``seg_i = seg_j``: block-diagonal causal attention on every backend) and ``positions [batch, seq]`` restarting at 0
@@ -43,10 +48,11 @@ from jaxgrad.checks import check_key
 from jaxgrad.lora.block import _block_reference, _block_sdpa, block, check_attention
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.ops.attention import check_attention_mask, check_segment_ids
+from jaxgrad.ops.lm_head_loss import DEFAULT_CHUNK_TOKENS, lm_head_loss
 from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
 
-__all__ = ["IGNORE_INDEX", "apply", "causal_lm_loss", "count_items", "init", "init_lora", "loss_fn",
-           "token_losses"]
+__all__ = ["IGNORE_INDEX", "apply", "causal_lm_loss", "causal_lm_loss_fused", "count_items", "head_weight",
+           "hidden_states", "init", "init_lora", "loss_fn", "token_losses"]
 
 IGNORE_INDEX = -100
 
@@ -231,11 +237,32 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
                   train_base=train_base)
 
 
-def _apply(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, positions=None, segment_ids=None,
-           dropout_key=None, backend="xla", attention="xla", dtype=None, train_base=False):
+def hidden_states(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = None, **apply_kwargs):
+    """The final-normed hidden states ``h [batch, seq, hidden]`` (in the activation dtype): everything of
+    :func:`apply` but the LM head, whose logits are ``einsum("bth,vh->btv", h, head)`` with ``head`` the
+    ``lm_head`` weight (or the embedding when tied; :func:`head_weight`). ``apply_kwargs`` are :func:`apply`'s."""
+    check_attention(apply_kwargs.get("attention", "xla"), "apply")
+    return _hidden_states(params, lora, input_ids, cfg, lcfg, **apply_kwargs)
+
+
+def head_weight(params, cfg: LlamaConfig):
+    """The LM head ``[vocab, hidden]``: ``params["lm_head"]["weight"]``, or the embedding when
+    ``cfg.tie_word_embeddings``."""
+    return params["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
+
+
+def _apply(params, lora, input_ids, cfg, lcfg=None, **kwargs):
     """:func:`apply` whose ``attention`` may also be ``"sdpa:<implementation>"``: the ``"cudnn"`` code path with
     another ``jax.nn.dot_product_attention`` implementation (``"sdpa:xla"`` runs it on the CPU; private, for the
     tests and the benchmarks; with ``backend="xla"`` or ``"reference"`` only)."""
+    h = _hidden_states(params, lora, input_ids, cfg, lcfg, **kwargs)
+    return jnp.einsum("bth,vh->btv", h, head_weight(params, cfg).astype(h.dtype),
+                      preferred_element_type=jnp.promote_types(h.dtype, jnp.float32)).astype(h.dtype)
+
+
+def _hidden_states(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, positions=None, segment_ids=None,
+                   dropout_key=None, backend="xla", attention="xla", dtype=None, train_base=False):
+    """:func:`hidden_states`, ``attention="sdpa:<implementation>"`` allowed (see :func:`_apply`)."""
     lora = {"layers": [{} for _ in range(cfg.num_hidden_layers)]} if lora is None else lora
     _check_model(params, lora, input_ids, cfg, lcfg, attention_mask, segment_ids)
     if attention.startswith("sdpa:") and backend not in ("xla", "reference"):
@@ -267,10 +294,7 @@ def _apply(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, posi
                              backend=backend, attention=attention)
         h = _checkpointed(fn, cfg.gradient_checkpointing)(layer, layer_lora, h, key)
     norm = rms_norm_reference if backend == "reference" else rms_norm
-    h = norm(h, params["norm"]["weight"].astype(dtype), cfg.rms_norm_eps)
-    head = emb if cfg.tie_word_embeddings else params["lm_head"]["weight"]
-    return jnp.einsum("bth,vh->btv", h, head.astype(dtype),
-                      preferred_element_type=jnp.promote_types(dtype, jnp.float32)).astype(dtype)
+    return norm(h, params["norm"]["weight"].astype(dtype), cfg.rms_norm_eps)
 
 
 def _check_labels(labels, vocab: int, ignore_index: int) -> None:
@@ -324,6 +348,25 @@ def causal_lm_loss(logits, labels, n_items, ignore_index: int = IGNORE_INDEX):
                          f"{n_items}")
     losses, _ = token_losses(logits, labels, ignore_index)
     return jnp.sum(losses) / n_items
+
+
+def causal_lm_loss_fused(params, lora, input_ids, labels, n_items, cfg: LlamaConfig, lcfg: LoraConfig | None = None,
+                         *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, chunk_vocab: int | None = None,
+                         ignore_index: int = IGNORE_INDEX, **apply_kwargs):
+    """``causal_lm_loss(apply(params, lora, input_ids, cfg, lcfg, **apply_kwargs), labels, n_items)`` without the
+    ``[batch, seq, vocab]`` logits: :func:`hidden_states`, then the LM head and the loss fused and chunked over
+    ``chunk_tokens`` tokens (and ``chunk_vocab`` vocabulary rows) by :func:`jaxgrad.ops.lm_head_loss.lm_head_loss`,
+    divided by ``n_items`` (:func:`count_items` over the window). Same value and gradients (LoRA's, and with
+    ``train_base`` the embedding's and the head's, tied or not), except that the logits are not rounded to the
+    activation dtype before the loss (for bf16 activations the fused loss is the more accurate; for float32 and
+    float64 the two are the same function)."""
+    if isinstance(n_items, (int, np.integer)) and n_items <= 0:
+        raise ValueError(f"causal_lm_loss_fused: 'n_items' must be > 0 (the non-ignored labels of the window), got "
+                         f"{n_items}")
+    h = hidden_states(params, lora, input_ids, cfg, lcfg, **apply_kwargs)
+    total, _ = lm_head_loss(h, head_weight(params, cfg).astype(h.dtype), labels, ignore_index=ignore_index,
+                            chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+    return total / n_items
 
 
 def loss_fn(lora, params, input_ids, labels, n_items, cfg: LlamaConfig, lcfg: LoraConfig | None, **apply_kwargs):
