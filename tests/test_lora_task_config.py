@@ -149,3 +149,21 @@ def test_gradient_checkpointing_leaves_every_lora_gradient_unchanged(policy):
         for g0, g1 in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[policy]), strict=True):
             assert float(jnp.abs(g0).max()) > 0
             np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-12, atol=1e-14)
+
+
+def test_the_fused_lm_head_loss_is_the_logits_loss_without_the_logits():
+    with jax.enable_x64(True):
+        fits = {loss: LoraFit(mode="lora", dtype="float64", loss=loss, loss_chunk_tokens=7, seq_len=16, n_bytes=4096,
+                              batch_size=2, init_lora_weights=False) for loss in ("fused", "logits")}
+        tasks = {k: make_task(f, device=CPU) for k, f in fits.items()}
+        assert "fused LM head (7-token chunks)" in tasks["fused"].describe
+        params = tasks["fused"].init(jax.random.key(0))
+        batch = next(iter(tasks["fused"].batches(0)))
+        out = {}
+        for k, task in tasks.items():
+            out[k] = jax.value_and_grad(lambda lora: task.loss({**params, "lora": lora}, batch)[0])(params["lora"])
+        np.testing.assert_allclose(float(out["fused"][0]), float(out["logits"][0]), rtol=1e-13)
+        for a, b in zip(jax.tree.leaves(out["fused"][1]), jax.tree.leaves(out["logits"][1]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-11, atol=1e-14)
+    with pytest.raises(ConfigError, match="'loss_chunk_tokens' must be an int >= 1"):
+        LoraFit(loss_chunk_tokens=0)

@@ -61,10 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.lora.config import CHECKPOINT_POLICIES, LlamaConfig
-from jaxgrad.lora.model import apply, causal_lm_loss, count_items, init, init_lora
+from jaxgrad.lora.model import apply, causal_lm_loss, count_items, head_weight, hidden_states, init, init_lora
 from jaxgrad.lora.stdlib_data import stdlib_files
-from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, FILE_FORMATS, MODES,
-                                      OVERLONG, SAMPLE_BY, BlockPath, LoraFit, resolve_path)
+from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, FILE_FORMATS, LOSSES,
+                                      MODES, OVERLONG, SAMPLE_BY, BlockPath, LoraFit, resolve_path)
+from jaxgrad.ops.lm_head_loss import lm_head_loss
 from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
@@ -240,9 +241,9 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
         def init_fn(key):
             return init(key, cfg, dtype) if start is None else start
 
-        def model(params, batch, backend, attention, key=None):
-            return apply(params, None, batch["input_ids"], cfg, None, backend="reference", attention=attention,
-                         train_base=True, **_packing_args(batch))
+        def model(params, batch, backend, attention, key=None, fn=apply):
+            return params, fn(params, None, batch["input_ids"], cfg, None, backend="reference", attention=attention,
+                              train_base=True, **_packing_args(batch))
         trainable = None
     else:
         base = load_base(fit, cfg) if base_params is None else base_params
@@ -257,20 +258,30 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
         def init_fn(key):
             return {"base": base, "lora": init_lora(key, cfg, lcfg, adapter_dtype)}
 
-        def model(params, batch, backend, attention, key=None):
+        def model(params, batch, backend, attention, key=None, fn=apply):
             b = params["base"] if projs is None else _join_projections(params["base"], projs)
-            return apply(b, params["lora"], batch["input_ids"], cfg, lcfg, backend=backend, attention=attention,
+            return b, fn(b, params["lora"], batch["input_ids"], cfg, lcfg, backend=backend, attention=attention,
                          dropout_key=key, **_packing_args(batch))
         trainable = lora_mask
 
     def loss(params, batch, key=None):
-        """``key``: the LoRA dropout key (``Task.loss_takes_key`` when ``lora_dropout > 0``); None: no dropout."""
-        return _sum_and_count(model(params, batch, path.backend, path.attention, key), batch)
+        """``key``: the LoRA dropout key (``Task.loss_takes_key`` when ``lora_dropout > 0``); None: no dropout.
+        ``fit.loss = "fused"``: the LM head and the cross-entropy chunk by chunk, no ``[tokens, vocab]`` logits
+        (:func:`jaxgrad.ops.lm_head_loss.lm_head_loss`); ``"logits"``: the head's logits, then the loss."""
+        if fit.loss == "logits":
+            return _sum_and_count(model(params, batch, path.backend, path.attention, key)[1], batch)
+        base_params, h = model(params, batch, path.backend, path.attention, key, fn=hidden_states)
+        s, _ = lm_head_loss(h, head_weight(base_params, cfg).astype(h.dtype), batch["labels"],
+                            chunk_tokens=fit.loss_chunk_tokens)
+        return s, jnp.sum(batch["n_items"])
 
     def reference_loss(params, batch, key=None):
-        return _sum_and_count(model(params, batch, "reference", ref_attention, key), batch)
+        """The A/B oracle: ``jax.grad`` of the plain block and the plain logits loss."""
+        return _sum_and_count(model(params, batch, "reference", ref_attention, key)[1], batch)
 
-    eval_sums = jax.jit(lambda params, batch: reference_loss(params, batch))  # no key: no dropout
+    # the run's own path and loss, forward only (no key: no dropout): at real sizes the plain block's [B, H, T, T]
+    # probabilities and the [tokens, vocab] logits would not fit where training does
+    eval_sums = jax.jit(lambda params, batch: loss(params, batch))
 
     def evaluate(params):
         s = n = 0.0
@@ -293,7 +304,11 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
                 describe=f"Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
                          f"{cfg.num_key_value_heads} heads, inter {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
                          f"{fit.dtype}, base {what}{source}{adapters}; path: "
-                         f"{path.describe(fit.gradient_checkpointing)}; data: {data.describe}")
+                         f"{path.describe(fit.gradient_checkpointing)}, loss {_loss_text(fit)}; data: {data.describe}")
+
+
+def _loss_text(fit: LoraFit) -> str:
+    return "from logits" if fit.loss == "logits" else f"fused LM head ({fit.loss_chunk_tokens}-token chunks)"
 
 
 def _tokens_in(batch) -> int:
@@ -318,7 +333,8 @@ CLI_SCHEMA = {
               "target_modules": ("strs|str", ["all-linear"]), "use_rslora": ("bool", False),
               "nf4_blocksize": ("int", 64), "double_quant": ("bool", False),
               "backend": ("str", "auto", BACKENDS), "attention": ("str", "auto", ATTENTIONS),
-              "gradient_checkpointing": ("str", "none", CHECKPOINT_POLICIES)},
+              "gradient_checkpointing": ("str", "none", CHECKPOINT_POLICIES),
+              "loss": ("str", "fused", LOSSES), "loss_chunk_tokens": ("int", 1024)},
     "data": {"path": ("str?", None), "format": ("str?", None, DATA_FORMATS), "eval_path": ("str?", None),
              "packing": ("bool", True), "completion_only": ("bool", True), "assistant_only": ("bool", True),
              "overlong": ("str", "truncate", OVERLONG), "pattern": ("str?", None),
@@ -328,7 +344,7 @@ CLI_SCHEMA = {
 }
 CLI_TRAIN_DEFAULTS = {"optimizer": "adam", "lr": 3e-3, "steps": 200, "log_every": 10, "checkpoint_every": 100}
 #: keys that may change on --resume: the code path, not the model, the data or the optimiser state
-CLI_RESUMABLE = ("backend", "attention", "gradient_checkpointing")
+CLI_RESUMABLE = ("backend", "attention", "gradient_checkpointing", "loss", "loss_chunk_tokens")
 CLI_FIXED = {"model": tuple(k for k in CLI_SCHEMA["model"] if k not in CLI_RESUMABLE), "data": "*"}
 CLI_OUTPUTS = ("model", "adapter")
 
@@ -348,6 +364,7 @@ def fit_from_config(cfg: dict) -> LoraFit:
                    tm[0] if len(tm) == 1 and tm[0] == "all-linear" else tuple(tm),
                    use_rslora=m["use_rslora"], nf4_blocksize=m["nf4_blocksize"], double_quant=m["double_quant"],
                    backend=m["backend"], attention=m["attention"], gradient_checkpointing=m["gradient_checkpointing"],
+                   loss=m["loss"], loss_chunk_tokens=m["loss_chunk_tokens"],
                    data_path=d["path"], data_format=d["format"], eval_path=d["eval_path"], packing=d["packing"],
                    completion_only=d["completion_only"], assistant_only=d["assistant_only"],
                    overlong=d["overlong"], pattern=d["pattern"], file_format=d["file_format"],

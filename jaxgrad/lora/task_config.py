@@ -16,7 +16,11 @@ device: ``docs/design.md``). ``attention``: ``"xla"``, ``"cudnn"`` (GPU, 16-bit)
 or ``"auto"``: ``"cudnn"`` on a GPU with 16-bit activations, else ``"xla"``. Mode ``"full"`` and
 ``train.grad_path = "reference"`` differentiate the plain reference block with ``jax.grad`` (``backend`` is then
 ``"reference"``; the attention choice still applies). ``gradient_checkpointing`` is the ``jax.checkpoint`` policy
-of every block (:data:`jaxgrad.lora.config.CHECKPOINT_POLICIES`).
+of every block (:data:`jaxgrad.lora.config.CHECKPOINT_POLICIES`). ``loss``: ``"fused"`` (default) computes the LM
+head and the cross-entropy together, ``loss_chunk_tokens`` tokens at a time, never holding ``[tokens, vocab]``
+logits (:func:`jaxgrad.ops.lm_head_loss.lm_head_loss`; the logits stay fp32 up to the loss); ``"logits"`` forms the
+logits in the activation dtype, then the loss. The held-out evaluation runs the run's own path and loss (forward
+only); ``train.grad_path = "reference"`` differentiates the plain block and the plain logits loss.
 
 **Dtypes.** ``dtype`` is the base weights' and the activations' dtype; ``adapter_dtype`` the LoRA factors' (the
 optimiser updates them in it): unset, ``float32`` for a 16-bit ``dtype`` (as PEFT's ``autocast_adapter_dtype``)
@@ -39,6 +43,7 @@ DTYPES = ("float32", "float64", "bfloat16")
 BACKENDS = ("auto", "xla", "pallas", "mosaic")
 ATTENTIONS = ("auto", "xla", "cudnn", "pallas")
 DATA_FORMATS = ("text", "prompt_completion", "messages")
+LOSSES = ("fused", "logits")
 #: the architecture keys: from the checkpoint with ``base``, else :data:`SCRATCH`'s values unless set
 ARCHITECTURE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "rope_theta")
@@ -105,6 +110,8 @@ class LoraFit:
     backend: str = "auto"
     attention: str = "auto"
     gradient_checkpointing: str = "none"
+    loss: str = "fused"
+    loss_chunk_tokens: int = 1024
     data_path: str | None = None
     data_format: str | None = None
     eval_path: str | None = None
@@ -134,6 +141,9 @@ class LoraFit:
         need(self.attention in ATTENTIONS, "attention", f"one of {ATTENTIONS}")
         need(self.gradient_checkpointing in CHECKPOINT_POLICIES, "gradient_checkpointing",
              f"one of {CHECKPOINT_POLICIES}")
+        need(self.loss in LOSSES, "loss", f"one of {LOSSES}")
+        need(isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 1, "loss_chunk_tokens",
+             "an int >= 1")
         need(self.data_format is None or self.data_format in DATA_FORMATS, "data_format",
              f"one of {DATA_FORMATS} or unset (inferred from the columns)")
         need(self.overlong in OVERLONG, "overlong", f"one of {OVERLONG}")
