@@ -98,7 +98,7 @@ def test_synthetic_run_writes_everything_and_learns(tmp_path):
                  "--set", "data.synthetic_chunk=16", "--set", "train.steps=48", "--set", "train.checkpoint_every=10",
                  "--set", "train.keep=2", "--set", "train.eval_every=24", "--set", "data.eval_images=true",
                  "--set", "data.n_examples=3", "--out", str(out), *BASE) == 0
-    expected = ["run.json", "config.toml", "metrics.jsonl", "metrics.csv", "summary.json", "examples.png",
+    expected = ["run.json", "config.toml", "metrics.jsonl", "metrics.csv", "summary.json", "loss.png", "examples.png",
                 "checkpoints", "images", "inputs.json", "synthetic"]
     if importlib.util.find_spec("tensorboardX") is not None:  # the engine mirrors scalars to TensorBoard then
         expected.append("tensorboard")
