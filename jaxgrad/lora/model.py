@@ -48,7 +48,7 @@ from jaxgrad.checks import check_key
 from jaxgrad.lora.block import _block_reference, _block_sdpa, block, check_attention
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.ops.attention import check_attention_mask, check_segment_ids
-from jaxgrad.ops.lm_head_loss import DEFAULT_CHUNK_TOKENS, lm_head_loss
+from jaxgrad.ops.lm_head_loss import DEFAULT_CHUNK_TOKENS, check_label_range, lm_head_loss
 from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = ["IGNORE_INDEX", "apply", "causal_lm_loss", "causal_lm_loss_fused", "count_items", "head_weight",
@@ -300,14 +300,7 @@ def _hidden_states(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=No
 def _check_labels(labels, vocab: int, ignore_index: int) -> None:
     """Labels in ``[0, vocab)`` or ``ignore_index``, checked on the host where they are concrete (PyTorch's
     cross-entropy raises there too); under ``jit`` see :func:`token_losses`."""
-    if isinstance(labels, jax.core.Tracer):
-        return
-    lab = np.asarray(labels)
-    bad = ((lab < 0) | (lab >= vocab)) & (lab != ignore_index)
-    if bad.any():
-        at = [int(i) for i in np.argwhere(bad)[0]]
-        raise ValueError(f"causal_lm_loss: 'labels' must lie in [0, {vocab}) (the vocabulary size: the logits' last "
-                         f"axis) or be {ignore_index} (ignored), got {lab[tuple(at)].item()} at {at}")
+    check_label_range(labels, vocab, ignore_index, "causal_lm_loss", "the logits' last axis")
 
 
 def token_losses(logits, labels, ignore_index: int = IGNORE_INDEX):

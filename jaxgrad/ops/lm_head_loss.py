@@ -78,19 +78,21 @@ def _check_inputs(h, w, labels, ignore_index, where: str) -> None:
         raise TypeError(f"{where}: 'labels' must be integers, got {jnp.asarray(labels).dtype}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise TypeError(f"{where}: 'ignore_index' must be an int, got {ignore_index!r}")
-    _check_label_range(labels, w.shape[0], ignore_index, where)
+    check_label_range(labels, w.shape[0], ignore_index, where)
 
 
-def _check_label_range(labels, vocab: int, ignore_index: int, where: str) -> None:
+def check_label_range(labels, vocab: int, ignore_index: int, where: str, vocab_from: str = "the rows of 'w'"
+                      ) -> None:
     """Labels in ``[0, vocab)`` or ``ignore_index``, checked on the host where they are concrete (as PyTorch's
-    cross-entropy raises); traced labels cannot be, and an out-of-range one makes the loss NaN."""
+    cross-entropy raises); traced labels cannot be, and an out-of-range one makes the loss NaN. ``vocab_from``
+    says where the vocabulary size comes from, for the message."""
     if isinstance(labels, jax.core.Tracer):
         return
     lab = np.asarray(labels)
     bad = ((lab < 0) | (lab >= vocab)) & (lab != ignore_index)
     if bad.any():
         at = [int(i) for i in np.argwhere(bad)[0]]
-        raise ValueError(f"{where}: 'labels' must lie in [0, {vocab}) (the vocabulary size: the rows of 'w') or be "
+        raise ValueError(f"{where}: 'labels' must lie in [0, {vocab}) (the vocabulary size: {vocab_from}) or be "
                          f"{ignore_index} (ignored), got {lab[tuple(at)].item()} at {at}")
 
 
