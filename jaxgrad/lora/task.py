@@ -1,12 +1,21 @@
 r"""Causal-LM training of the Llama family (:mod:`jaxgrad.lora`) as a :class:`jaxgrad.train.Task`.
 
-Data: byte-level tokens (vocab 256) of real text that ships with every Python, the standard library's own source:
-the files matching ``files`` (a glob relative to ``sysconfig.get_paths()["stdlib"]``, ``site-packages`` excluded;
-or an absolute path or glob, ``~`` expanded, for text of your own; ``**`` matches directories recursively)
-in sorted order, concatenated, bytes ``[offset, offset + n_bytes)``. The first ``1 - held_out`` of them train, the
-rest is held out (split by position). A training batch is ``batch_size`` windows of ``seq_len`` bytes starting at
-positions drawn by ``numpy.random.default_rng([seed, epoch, index])``: a deterministic function of
-``(seed, epoch, index)``. The held-out set is its consecutive non-overlapping windows.
+Settings: :class:`jaxgrad.lora.task_config.LoraFit` (the model, the path, the data; every key documented there and
+in ``docs/train.md``). Data, one of:
+
+* **a data file** (``data_path``, with the run's tokenizer): :mod:`jaxgrad.lora.data` reads, tokenizes, masks and
+  packs the records into rows of ``seq_len`` tokens with segment ids and per-segment positions
+  (:class:`jaxgrad.lora.task_data.FileData`); the held-out set is a seeded fraction of the examples or
+  ``eval_path``;
+* **byte-level text** (no ``data_path``, no tokenizer; vocab 256) of the standard library's own source: the files
+  matching ``files`` (a glob relative to ``sysconfig.get_paths()["stdlib"]``, ``site-packages`` excluded; or an
+  absolute path or glob, ``~`` expanded; ``**`` recursive) in sorted order, concatenated, bytes ``[offset, offset +
+  n_bytes)``. The first ``1 - held_out`` of them train, the rest is held out (split by position). A training batch
+  is ``batch_size`` windows of ``seq_len`` bytes starting at positions drawn by
+  ``numpy.random.default_rng([seed, epoch, index])``; the held-out set is its consecutive non-overlapping windows.
+
+Either way a batch is a deterministic function of ``(seed, epoch, index)``, so a resumed run continues at the same
+example.
 
 Modes (``mode``):
 
@@ -25,11 +34,13 @@ undropped input), the same mask in the forward and the backward (the block regen
 comes from the engine's RNG stream (``Task.loss_takes_key``: a fresh key per step, micro-batch and device); both
 grad paths draw the same masks from the same key; evaluation runs without dropout.
 
-``grad_path="custom_vjp"`` differentiates the model through the whole-block custom VJP (``backend="xla"``),
-``"reference"`` is ``jax.grad`` of the plain reference block (``backend="reference"``), both in LoRA modes.
+``grad_path="custom_vjp"`` differentiates the model through the whole-block custom VJP on the path
+:func:`~jaxgrad.lora.task_config.resolve_path` picks, with the fused LM-head loss by default (``loss``);
+``"reference"`` is ``jax.grad`` of the plain reference block and the plain logits loss, both in LoRA modes.
 
-Throughput is counted in tokens (every position of every window, ``batch_size * seq_len`` per micro-batch,
-whatever the accumulation): ``tokens/s`` in the progress display, ``tokens_per_s`` in the metrics and the summary.
+Throughput is counted in tokens trained on (every position of byte windows; the real, non-padding tokens of packed
+or padded rows), whatever the accumulation: ``tokens/s`` in the progress display, ``tokens_per_s`` in the metrics
+and the summary.
 
 Errors: a bad setting raises :class:`~jaxgrad.train.errors.ConfigError`, data that cannot be used as configured
 (no file matches, too few bytes, a base checkpoint that cannot be loaded) :class:`~jaxgrad.train.errors.DataError`;
@@ -47,8 +58,8 @@ micro-batch :math:`j` returns
 :math:`\sum_j S_j / \sum_j n_j` over the accumulation window, which is exactly
 :math:`\sum_j \mathrm{causal\_lm\_loss}(\mathrm{logits}_j, \mathrm{labels}_j, n_\mathrm{items})` with
 :math:`n_\mathrm{items} = \mathrm{count\_items}(\text{window})`: every token weighs the same.
-``evaluate`` returns the held-out mean token loss :math:`\bar\ell` (nats per byte) and perplexity
-:math:`e^{\bar\ell}`.
+``evaluate`` runs the run's own path and loss forward and returns the held-out mean token loss :math:`\bar\ell`
+(nats per token; per byte for byte-level text) and perplexity :math:`e^{\bar\ell}`.
 """
 
 from __future__ import annotations
