@@ -4,7 +4,7 @@
                                   [--precision default|highest] [--variants SUBSTR,...] [--budget-s S]
     python -m jaxgrad.bench TOOL [its own options]     # verify_cost, verify_false_alarms, verify_detection_limits,
                                                        # verify_detection_timing, lora_profile, lora_curve_drift,
-                                                       # nf4_matmul, tf32_rounding
+                                                       # nf4_matmul, tf32_rounding, llama_real
 
 A timing suite (:data:`SUITES`) prints its table and writes it to
 ``<out>/<suite>-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.{json,txt}`` (UTC;
@@ -43,6 +43,7 @@ SUITES: dict[str, str] = {
     "lora_model": "jaxgrad.bench.lora_model:suite_lora_model",
     "lora_proj": "jaxgrad.bench.lora_proj:suite_lora_proj",
     "attention": "jaxgrad.bench.attention:suite_attention",
+    "lm_head": "jaxgrad.bench.lm_head:suite_lm_head",
 }
 #: tools with their own command line: name -> module whose ``main(argv) -> int`` runs it
 TOOLS: dict[str, str] = {
@@ -54,8 +55,9 @@ TOOLS: dict[str, str] = {
     "lora_curve_drift": "jaxgrad.bench.lora_curve_drift",
     "nf4_matmul": "jaxgrad.bench.nf4_matmul",
     "tf32_rounding": "jaxgrad.bench.tf32_rounding",
+    "llama_real": "jaxgrad.bench.llama_real",
 }
-FRESH_PROCESS_SUITES = ("lora", "lora_model")  # each variant in a child process: --variants, --budget-s
+FRESH_PROCESS_SUITES = ("lora", "lora_model", "lm_head")  # each variant in a child process: --variants, --budget-s
 #: runs/bench (jaxgrad.bench.harness.DEFAULT_RESULTS_DIR, spelled out: importing the harness imports JAX, which a
 #: tool may first need to configure): git-ignored; --out benchmarks/results to commit a result
 DEFAULT_OUT = "runs/bench"
