@@ -152,3 +152,21 @@ def test_the_head_gradient_rows_add_dw_to_the_flops_and_the_outputs(tmp_path):
     # the outputs hold dW [vocab, hidden] beside dh [batch, seq, hidden] (bf16) and the fp32 loss
     assert r.output_bytes >= 2 * (s["vocab"] * s["hidden"] + s["batch"] * s["seq"] * s["hidden"])
     assert any("gradient dh and dW" in line for line in notes)
+
+
+def test_the_summary_compares_each_row_with_the_plain_losses_of_its_own_head_and_like_memory_only():
+    def row(name, ms, peak=None, compiled=None):
+        return bm.Row("lm_head", name, {}, "bf16", "default", median_ms=ms, peak_bytes=peak, compiled_bytes=compiled)
+
+    gib = 2**30
+    rows = [row("8B jax.grad plain bf16 dh", 50.0, peak=12 * gib), row("8B torch liger FLCE bf16 dh", None),
+            row("8B torch F.linear+F.cross_entropy bf16 dh", 60.0, peak=16 * gib),
+            row("8B jaxgrad fused ct=1024 cv=all bf16 dh", 30.0, peak=2 * gib),
+            row("1B jaxgrad fused ct=1024 cv=all bf16 dh", 20.0, compiled=gib)]
+    lines = {line.split(":")[0]: line for line in bench.summary_lines(rows, "full")}
+    assert "8B torch liger FLCE bf16 dh" not in lines  # skipped: no line
+    assert lines["8B jaxgrad fused ct=1024 cv=all bf16 dh"].endswith(
+        "30.000 ms, peak 2048.0 MiB; 0.60x jax.grad plain's time, 0.17x its peak; 0.50x HF's time, 0.12x its peak")
+    assert lines["8B jax.grad plain bf16 dh"].endswith("; 0.83x HF's time, 0.75x its peak")
+    assert lines["1B jaxgrad fused ct=1024 cv=all bf16 dh"] == \
+        "1B jaxgrad fused ct=1024 cv=all bf16 dh: 20.000 ms, compiled 1024.0 MiB"  # no 1B plain row to compare

@@ -86,7 +86,7 @@ CHUNKS: dict[str, dict[str, tuple]] = {
     "small": dict(tokens=(16, 8, 32), vocab=(None, 256)),
 }
 FUSED, PLAIN, TORCH, LIGER = "jaxgrad fused", "jax.grad plain", "torch F.linear+F.cross_entropy", "torch liger FLCE"
-H100_BF16 = PEAKS["H100 SXM"].bf16_flops
+H100_BF16, H100_TF32 = PEAKS["H100 SXM"].bf16_flops, PEAKS["H100 SXM"].tf32_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,8 @@ def floor_lines(sizes: str, head_grad: bool) -> list[str]:
         lines.append(f"{model}: tokens {s['batch']}x{s['seq']}, hidden {s['hidden']}, vocab {s['vocab']}"
                      f"{', tied' if s['tied'] else ', untied'}: FLOPs = {3 if head_grad else 2} x 2NVH = {f:.4g}; "
                      f"floor at 100% of the bf16 tensor cores (989 TFLOP/s, H100 SXM / H200 dense): "
-                     f"{f / H100_BF16 * 1e3:.4g} ms; fp32 logits and their gradient would be "
+                     f"{f / H100_BF16 * 1e3:.4g} ms (f32 rows at TF32's {H100_TF32 / 1e12:.1f} TFLOP/s: "
+                     f"{f / H100_TF32 * 1e3:.4g} ms); fp32 logits and their gradient would be "
                      f"{2 * 4 * s['batch'] * s['seq'] * s['vocab'] / 2**30:.3g} GiB")
     return lines
 
@@ -354,24 +355,27 @@ def memory_of_row(row: bm.Row) -> int | None:
 
 
 def summary_lines(rows: list[bm.Row], sizes: str) -> list[str]:
-    """One line per measured row: time, fraction of the floor, memory, and both against the model's plain loss."""
+    """One line per measured row: time, fraction of the floor, memory, and both against the model's plain loss
+    (``jax.grad plain``) and HF's (``torch F.linear+F.cross_entropy``), where those ran."""
     by_name = {r.variant: r for r in rows}
     lines = []
     for r in rows:
         if r.median_ms is None:
             continue
         v = variant(r.variant, sizes)
-        plain = by_name.get(Variant(v.model, PLAIN, v.dtype, v.head_grad).name)
         mem = memory_of_row(r)
         line = (f"{r.variant}: {r.median_ms:.3f} ms"
                 + ("" if r.achieved_fraction is None else f" ({r.achieved_fraction:.0%} of the floor)")
                 + (", memory -" if mem is None else
                    f", {'peak' if r.peak_bytes is not None else 'compiled'} {mem / 2**20:.1f} MiB"))
-        if plain is not None and plain is not r and plain.median_ms:
-            pm = memory_of_row(plain)
-            line += f"; {r.median_ms / plain.median_ms:.2f}x the plain loss's time"
-            if mem is not None and pm:
-                line += f", {mem / pm:.2f}x its memory"
+        for impl, what in ((PLAIN, "jax.grad plain's"), (TORCH, "HF's")):
+            base = by_name.get(Variant(v.model, impl, v.dtype, v.head_grad).name)
+            if base is None or base is r or not base.median_ms:
+                continue
+            line += f"; {r.median_ms / base.median_ms:.2f}x {what} time"
+            base_mem = memory_of_row(base)
+            if mem is not None and base_mem and (r.peak_bytes is None) == (base.peak_bytes is None):
+                line += f", {mem / base_mem:.2f}x its {'peak' if r.peak_bytes is not None else 'compiled bytes'}"
         lines.append(line)
     return lines
 
