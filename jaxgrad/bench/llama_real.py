@@ -427,13 +427,14 @@ def max_context(s: dict, *, step: int, limit_bytes: int, start: int | None = Non
     """The largest multiple of ``step`` whose compiled step fits ``limit_bytes``: doubling from ``start`` (default
     ``step``; a multiple of it), then bisecting between the last that fit and the first that did not."""
     start = check_context_args(step, start)
-    t_start, tried = time.perf_counter(), {}
+    t_start, tried, longest = time.perf_counter(), {}, [0.0]
 
-    def fits(seq):
-        if budget_s is not None and time.perf_counter() - t_start > budget_s:
+    def fits(seq):  # a compile is not started unless the longest one so far still fits the budget
+        if budget_s is not None and time.perf_counter() - t_start + 1.2 * longest[0] > budget_s:
             raise TimeoutError
         t0 = time.perf_counter()
         b = compiled_bytes_at(s, seq)
+        longest[0] = max(longest[0], time.perf_counter() - t0)
         tried[seq] = b
         say(f"#   seq {seq}: {'does not compile' if b is None else f'{b / 2**30:.2f} GiB'} "
             f"({'fits' if b is not None and b <= limit_bytes else 'too big'}; {time.perf_counter() - t0:.0f} s)")
