@@ -36,6 +36,9 @@ Variants (:data:`VARIANTS`), each as its users run it:
 * ``transformers+PEFT+Liger``: the same after ``liger_kernel.transformers.apply_liger_kernel_to_llama()`` (fused
   RMSNorm, SwiGLU, RoPE and linear cross-entropy).
 
+A peer out of memory at the micro-batch asked for runs again at batch 1 (a row of its own, ``... batch 1``), as
+its users would run it.
+
 A variant that cannot run here (no CUDA, a library missing) gets a row whose notes say why (``skipped: ...``).
 
 Accounting (:func:`accounting`), ``N = batch * seq`` tokens, ``P`` the base parameters of the model run (embedding
@@ -529,12 +532,26 @@ def main(argv: list[str] | None = None) -> int:
                                   timeout=left)
         rows.append(row)
         print(f"#   {variant}: {_summary(s, row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    per_variant = {r.variant: dict(metrics(s, r.median_ms, r.peak_bytes), status=status(r),
-                                   reason=None if r.median_ms is not None else r.notes) for r in rows}
-    env["suite_notes"] = notes + [f"{r.variant}: {_summary(s, r)}" for r in rows]
+        left = a.budget_s - (time.perf_counter() - t_start)
+        if variant in TORCH_VARIANTS and status(row) == "out of memory" and s["batch"] > 1 and left >= 15:
+            t0, one = time.perf_counter(), dict(s, batch=1)  # a peer that does not fit: as its users would, batch 1
+            row = peers.run_child(variant, one, _row(variant, one), module=MODULE, repeats=a.repeats,
+                                  warmup=a.warmup, timeout=left)
+            row.variant = f"{variant} batch 1"
+            rows.append(row)
+            print(f"#   {row.variant}: {_summary(one, row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    per_variant = {r.variant: dict(metrics(_spec_of(s, r), r.median_ms, r.peak_bytes), status=status(r),
+                                   batch=r.sizes["batch"], reason=None if r.median_ms is not None else r.notes)
+                   for r in rows}
+    env["suite_notes"] = notes + [f"{r.variant}: {_summary(_spec_of(s, r), r)}" for r in rows]
     env[SUITE] = {"spec": s, "accounting": accounting(s), "parameters": parameter_counts(s),
                   "frozen_weight_bytes": frozen_weight_bytes(s), "published": NEMO_8B, "variants": per_variant}
     return _write(rows, env, name, a.out, bm, failed=[r.variant for r in rows if status(r) == "error"])
+
+
+def _spec_of(s: dict, row) -> dict:
+    """The spec a row ran at (a peer retried at batch 1 has its own batch)."""
+    return dict(s, batch=row.sizes["batch"])
 
 
 def status(row) -> str:

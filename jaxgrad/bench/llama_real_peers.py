@@ -87,9 +87,9 @@ def quantize_to_nf4(model, torch) -> int:
             lin = getattr(parent, name)
             q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
                                   compress_statistics=True, quant_type="nf4", device="meta")
+            # Params4bit quantises as it moves (bitsandbytes' quantize_4bit on the GPU), as transformers loads it
             q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True,
-                                         quant_type="nf4", blocksize=NF4_BLOCKSIZE)
-            q = q.to("cuda")  # Params4bit quantises as it moves (bitsandbytes' quantize_4bit on the GPU)
+                                         quant_type="nf4", blocksize=NF4_BLOCKSIZE).to("cuda")
             setattr(parent, name, q)
             del lin
             n += 1
