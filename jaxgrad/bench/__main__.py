@@ -91,10 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jax default matmul precision for the whole run (default: %(default)s)")
     p.add_argument("--variants", default=None,
                    help="comma-separated substrings: run only the variants whose name contains one (lora, "
-                        "lora_model suites)")
+                        "lora_model, lm_head suites)")
     p.add_argument("--budget-s", type=_positive_float, default=None,
-                   help="wall-clock budget of the whole suite in seconds (lora, lora_model suites: variants that "
-                        "do not fit are not started)")
+                   help="wall-clock budget of the whole suite in seconds (lora, lora_model, lm_head suites: "
+                        "variants that do not fit are not started)")
+    p.add_argument("--head-grad", action="store_true",
+                   help="lm_head suite: also dW, the head's gradient (default: dh only; LoRA freezes the head)")
     return p
 
 
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.variants or args.budget_s is not None) and args.suite not in FRESH_PROCESS_SUITES:
         parser.error(f"--variants and --budget-s are only implemented for the {' and '.join(FRESH_PROCESS_SUITES)} "
                      f"suites, not {args.suite!r}")
+    if args.head_grad and args.suite != "lm_head":
+        parser.error(f"--head-grad is an option of the lm_head suite, not {args.suite!r}")
     if args.suite in FRESH_PROCESS_SUITES:  # variants in child processes: this one must not preallocate the GPU
         from jaxgrad.bench.fresh_process import parent_setup
 
@@ -153,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         extra["variants"] = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.budget_s is not None:
         extra["budget_s"] = args.budget_s
+    if args.head_grad:
+        extra["head_grad"] = True
     with ctx:
         env = bm.environment()
         result = suite_function(args.suite)(sizes, args.precision, repeats=args.repeats, warmup=args.warmup, **extra)
