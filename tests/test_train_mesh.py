@@ -1,6 +1,6 @@
 """The engine on a mesh of 8 (fake CPU) devices gives the single-device gradients and optimizer step (float64,
-1e-14 relative: only the order of the cross-device sum differs), for the KAN and the CNN, custom VJPs and Pallas
-kernels (interpret mode) included; a batch that does not divide over the mesh is a clear error.
+1e-14 relative: only the order of the cross-device sum differs), for the KAN, the CNN and the LoRA model on packed
+rows of a data file, custom VJPs and Pallas kernels (interpret mode) included; a batch that does not divide over the mesh is a clear error.
 
 The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
 
@@ -44,10 +44,13 @@ def compare(task, batch, cfg):
     out["loss"] = rel(s8, s1)
     out["grad"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))
     out["params_after_step"] = max(rel(a, b) for a, b in zip(jax.tree.leaves(p8), jax.tree.leaves(p1)))
-    out["grad_nonzero"] = all(float(np.max(np.abs(np.asarray(a)))) > 0 for a in jax.tree.leaves(g1)
+    trained = g1["lora"] if isinstance(g1, dict) and "lora" in g1 else g1  # LoRA: the frozen base gets none
+    out["grad_nonzero"] = all(float(np.max(np.abs(np.asarray(a)))) > 0 for a in jax.tree.leaves(trained)
                               if np.asarray(a).size)
-    out["sharded_over"] = len(shard_batch(batch, data_mesh(8)).__getitem__(0).sharding.device_set) \
-        if isinstance(batch, tuple) else None
+    first = batch[0] if isinstance(batch, tuple) else batch["input_ids"] if isinstance(batch, dict) else None
+    sharded = shard_batch(batch, data_mesh(8))
+    sharded_first = sharded[0] if isinstance(batch, tuple) else sharded["input_ids"]
+    out["sharded_over"] = None if first is None else len(sharded_first.sharding.device_set)
     return out
 
 report = {}
@@ -62,6 +65,21 @@ for backend in ("xla", "pallas"):
     task = cnn_task(stream, channels=(1, 3, 1), backend=backend, precision="highest", dtype=jnp.float64)
     x, y = next(task.batches(0))
     report[f"cnn/{backend}"] = compare(task, (x.astype(np.float64), y.astype(np.float64)), cfg)
+# the LoRA model on packed rows of a JSONL file (segment ids, per-segment positions), the block's custom VJP
+import pathlib, tempfile
+from jaxgrad.lora.task import make_task as lora_task
+from jaxgrad.lora.task_config import LoraFit
+from jaxgrad.lora.tokenizer import train_bpe_tokenizer
+tmp = pathlib.Path(tempfile.mkdtemp())
+recs = [{"prompt": f"q{i} " + "alpha beta " * (i % 5 + 1), "completion": "gamma delta " * (i % 3 + 1)}
+        for i in range(120)]
+train_bpe_tokenizer([r["prompt"] + r["completion"] for r in recs], 300).save(tmp / "tok")
+(tmp / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+task = lora_task(LoraFit(mode="lora", tokenizer=str(tmp / "tok"), data_path=str(tmp / "t.jsonl"), seq_len=32,
+                         batch_size=8, dtype="float64", init_lora_weights=False), device=("cpu", None))
+batch = next(iter(task.batches(0)))
+assert batch["segment_ids"].max() > 1
+report["lora/xla packed"] = compare(task, batch, TrainConfig(steps=1, optimizer="adam", lr=1e-3, seed=3))
 # a batch that does not divide over the mesh
 try:
     shard_batch((np.zeros((12, 2)), np.zeros((12, 1))), data_mesh(8))
