@@ -60,17 +60,30 @@ def run_in_fresh_process(name: str, sizes: str, *, repeats: int, warmup: int, pr
     """One variant in a child process (``python -m <module> --child NAME``, the module's :func:`child_main`); a
     failure or a timeout comes back as a row without a time, its notes saying why. ``module``, ``suite`` and
     ``size_table``: the suite's."""
+    s = size_table[sizes]
+    failed = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision)
+    return run_child_process(_child_cmd(name, sizes, repeats, warmup, precision, module), failed, timeout=timeout,
+                             label=f"{suite} bench child {name!r}")
+
+
+def child_env() -> tuple[pathlib.Path, dict]:
+    """``(repository root, environment)`` for a child process: the root on ``PYTHONPATH`` and the caller's own
+    preallocation setting (:func:`parent_setup` changed the parent's)."""
     root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if _parent_env:  # the caller's own preallocation setting, not the parent's
         env.pop(_PREALLOCATE, None)
         if _parent_env[_PREALLOCATE] is not None:
             env[_PREALLOCATE] = _parent_env[_PREALLOCATE]
-    s = size_table[sizes]
-    failed = bm.Row(suite=suite, variant=name, sizes=dict(s), dtype="bf16", precision=precision)
+    return root, env
+
+
+def run_child_process(cmd: list[str], failed: bm.Row, *, timeout: float, label: str) -> bm.Row:
+    """Run ``cmd`` (a child that prints its row after :data:`ROW_TAG`) and return that row; a failure or a timeout
+    comes back as ``failed`` with notes saying why (the child's stderr tail goes to ours, headed by ``label``)."""
+    root, env = child_env()
     try:
-        proc = subprocess.run(_child_cmd(name, sizes, repeats, warmup, precision, module), capture_output=True,
-                              text=True, env=env, cwd=str(root), timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(root), timeout=timeout)
     except subprocess.TimeoutExpired:
         failed.notes = f"error: timed out after {timeout:.0f} s"
         return failed
@@ -81,8 +94,7 @@ def run_in_fresh_process(name: str, sizes: str, *, repeats: int, warmup: int, pr
     errors = [ln for ln in tail if ("Error" in ln or "Exception" in ln) and not ln.startswith((" ", "For simplicity"))]
     why = (errors or tail or ["no output"])[-1]
     failed.notes = f"error: child exited {proc.returncode}: {why[:250]}"
-    sys.stderr.write(f"--- {suite} bench child {name!r} failed (rc {proc.returncode}); stderr tail:\n"
-                     + "\n".join(tail[-25:]) + "\n")
+    sys.stderr.write(f"--- {label} failed (rc {proc.returncode}); stderr tail:\n" + "\n".join(tail[-25:]) + "\n")
     return failed
 
 

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -175,28 +172,6 @@ def run_torch_variant(variant: str, s: dict, row, *, repeats: int, warmup: int):
 def run_child(variant: str, s: dict, failed, *, module: str, repeats: int, warmup: int, timeout: float):
     """One variant in a fresh process (``python -m <module> --child ...``: module docstring); ``failed``: the row
     returned, its notes saying why, when the child gives none."""
-    from jaxgrad.bench import harness as bm
-
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    key = "XLA_PYTHON_CLIENT_PREALLOCATE"
-    if fresh_process._parent_env:  # the caller's own setting, not the parent's
-        env.pop(key, None)
-        if fresh_process._parent_env.get(key) is not None:
-            env[key] = fresh_process._parent_env[key]
     cmd = [sys.executable, "-m", module, "--child", variant, "--spec", json.dumps(s), "--repeats", str(repeats),
            "--warmup", str(warmup)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(root), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        failed.notes = f"error: timed out after {timeout:.0f} s"
-        return failed
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(ROW_TAG):
-            return bm.Row(**json.loads(line[len(ROW_TAG):]))
-    tail = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
-    errors = [ln for ln in tail if ("Error" in ln or "Exception" in ln) and not ln.startswith(" ")]
-    failed.notes = f"error: child exited {proc.returncode}: {(errors or tail or ['no output'])[-1][:250]}"
-    sys.stderr.write(f"--- {SUITE} child {variant!r} failed (rc {proc.returncode}):\n" + "\n".join(tail[-25:])
-                     + "\n")
-    return failed
+    return fresh_process.run_child_process(cmd, failed, timeout=timeout, label=f"{SUITE} child {variant!r}")
