@@ -36,15 +36,16 @@ def test_the_floor_counts_two_products_and_a_third_with_the_head_gradient():
 def test_the_variants_are_the_fused_chunkings_the_plain_loss_and_the_torch_peers_per_head():
     names = bench.variant_names("full")
     for model in ("1B", "8B"):
-        fused = [n for n in names if n.startswith(f"{model} jaxgrad fused")]
+        fused = [n for n in names if n.startswith(f"{model} jaxgrad fused ct")]
         assert sorted(fused) == sorted(f"{model} jaxgrad fused ct={ct} cv={cv} bf16 dh" for ct in (512, 1024, 2048)
                                        for cv in ("all", 32768))
         # the library's default chunking first, then what it is compared with (a spent budget cuts the tail)
-        assert names[names.index(f"{model} jaxgrad fused ct=1024 cv=all bf16 dh") + 1:][:3] == [
+        assert names[names.index(f"{model} jaxgrad fused ct=1024 cv=all bf16 dh") + 1:][:4] == [
             f"{model} jax.grad plain bf16 dh", f"{model} torch F.linear+F.cross_entropy bf16 dh",
-            f"{model} torch liger FLCE bf16 dh"]
-    assert len(names) == 2 * 9 and all(n.endswith(" bf16 dh") for n in names)
-    assert all(n.endswith(" bf16 dh+dW") for n in bench.variant_names("full", head_grad=True))
+            f"{model} torch liger FLCE bf16 dh", f"{model} jaxgrad fused recompute ct=1024 cv=all bf16 dh"]
+    assert len(names) == 2 * 10 and all(n.endswith(" bf16 dh") for n in names)
+    with_dw = bench.variant_names("full", head_grad=True)
+    assert len(with_dw) == 2 * 9 and all(n.endswith(" bf16 dh+dW") for n in with_dw)
     v = bench.variant("8B jaxgrad fused ct=512 cv=32768 bf16 dh+dW", "full")
     assert (v.model, v.impl, v.dtype, v.head_grad, v.chunk_tokens, v.chunk_vocab) == (
         "8B", bench.FUSED, "bf16", True, 512, 32768)
@@ -69,11 +70,12 @@ def test_the_inputs_are_drawn_block_by_block_into_every_row():
     assert 0 <= int(labels.min()) and int(labels.max()) < 1024
 
 
-@pytest.mark.parametrize("head_grad", [False, True])
-def test_the_timed_steps_compute_the_same_loss_and_gradients_and_the_fused_one_holds_less(head_grad):
+@pytest.mark.parametrize("impl, head_grad", [(bench.FUSED, False), (bench.FUSED_RECOMPUTE, False),
+                                             (bench.FUSED, True)])
+def test_the_timed_steps_compute_the_same_loss_and_gradients_and_the_fused_one_holds_less(impl, head_grad):
     s = bench.SHAPES["small"]["8B"]
     args = bench.jax_inputs(s, "f32")
-    fused = bench.Variant("8B", bench.FUSED, "f32", head_grad, 16, 256)
+    fused = bench.Variant("8B", impl, "f32", head_grad, 16, 256)
     plain = bench.Variant("8B", bench.PLAIN, "f32", head_grad)
     (loss_f, grads_f), (loss_p, grads_p) = (jax.jit(bench.jax_step(v))(*args) for v in (fused, plain))
     np.testing.assert_allclose(loss_f, loss_p, rtol=1e-5)

@@ -124,6 +124,63 @@ def test_under_jit_an_out_of_range_label_makes_the_loss_and_the_gradient_nan():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A frozen head (head_grad=False): dh formed in the forward, w a constant
+# ---------------------------------------------------------------------------------------------------------------
+def _frozen_reference(h, w, labels):
+    return lm_head_loss_reference(h, jax.lax.stop_gradient(w), labels)
+
+
+@pytest.mark.parametrize("chunk_vocab", [None, 16, 1])
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 13, 100])
+def test_a_frozen_head_is_jax_grad_of_the_reference_with_the_head_stopped_float64(chunk_tokens, chunk_vocab):
+    with jax.enable_x64(True):
+        h, w, labels = _inputs(11, jnp.float64)
+        frozen = functools.partial(lm_head_loss, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, head_grad=False)
+        (got, (dh, dw)), (want, (rh, _)) = (_value_and_grads(frozen, h, w, labels),
+                                            _value_and_grads(lm_head_loss_reference, h, w, labels))
+        assert abs(float(got - want)) <= 1e-13 * abs(float(want))
+        assert _rel(dh, rh) < 1e-12
+        assert not np.any(np.asarray(dw))  # stop_gradient(w): zero by definition, as the reference's
+        assert not np.any(np.asarray(_value_and_grads(_frozen_reference, h, w, labels)[1][1]))
+        assert not np.any(np.asarray(dh[:, -1]))
+
+
+def test_a_frozen_head_scales_its_saved_gradient_by_the_cotangent_and_keeps_ignored_rows_at_zero():
+    with jax.enable_x64(True):
+        ignored = [(0, t) for t in range(5, 7)] + [(1, t) for t in range(0, 3)]
+        h, w, labels = _inputs(12, jnp.float64, ignored=ignored)
+        n = count_items(labels)
+
+        def mean(loss):  # the model's normalisation: the cotangent of the sum is 1 / n_items
+            return jax.grad(lambda h: 3.0 * loss(h, w, labels)[0] / n)(h)
+        got = mean(functools.partial(lm_head_loss, chunk_tokens=4, head_grad=False))
+        want = mean(lm_head_loss_reference)
+        assert _rel(got, want) < 1e-12
+        assert not np.any(np.asarray(got.reshape(-1, H)[4:8]))
+
+
+def test_a_frozen_head_under_jit_makes_an_out_of_range_labels_row_nan_and_only_it():
+    with jax.enable_x64(True):
+        h, w, labels = _inputs(13, jnp.float64)
+        bad = labels.at[1, 3].set(V)
+        step = jax.jit(jax.value_and_grad(lambda h, labels: lm_head_loss(h, w, labels, chunk_tokens=4,
+                                                                         head_grad=False)[0]))
+        total, dh = step(h, bad)
+        assert np.isnan(float(total)) and np.isnan(np.asarray(dh[1, 2])).all()
+        assert np.isfinite(np.asarray(dh[0])).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("chunk_vocab", [None, 16])
+def test_a_frozen_head_is_verified_in_float32_and_bf16(dtype, chunk_vocab):
+    h, w, labels = _inputs(14, dtype)
+    # a function of h alone (the head a constant of h's dtype: the verifier's float64 re-run casts it exactly)
+    assert_vjp_matches(lambda h: lm_head_loss(h, w.astype(h.dtype), labels, chunk_tokens=4, chunk_vocab=chunk_vocab,
+                                              head_grad=False)[0],
+                       lambda h: lm_head_loss_reference(h, w.astype(h.dtype), labels)[0], h, arg_names=("h",))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # float32 and bf16: jaxgrad.verify
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -149,7 +206,8 @@ def test_the_compiled_step_holds_no_token_by_vocab_logits():
     """T = 2048, V = 4096, H = 64, float32: one [T, V] fp32 logits array is 32 MiB. Measured on the CPU: the plain
     loss's forward + backward temporaries are 2.0x of it (the logits and their gradient), the fused loss's with
     256-token chunks 0.16x (one chunk's logits and softmax; 0.13x with the head frozen: XLA drops the dW product and
-    its fp32 accumulator) and 0.065x with 1024-row vocabulary chunks too."""
+    its fp32 accumulator) and 0.065x with 1024-row vocabulary chunks too; 0.25x with the head frozen and dh formed in
+    the forward (``head_grad=False``)."""
     t, v, hidden = 2048, 4096, 64
     args = (jax.ShapeDtypeStruct((1, t, hidden), jnp.float32), jax.ShapeDtypeStruct((v, hidden), jnp.float32),
             jax.ShapeDtypeStruct((1, t), jnp.int32))
@@ -168,6 +226,10 @@ def test_the_compiled_step_holds_no_token_by_vocab_logits():
     # a frozen head (LoRA): the dW product and its fp32 accumulator [V, H] are dropped from the compiled step
     frozen_head = temp(functools.partial(lm_head_loss, chunk_tokens=256), argnums=0)
     assert fused - frozen_head >= v * hidden * 4, (fused, frozen_head)
+    # head_grad=False: dh made in the forward (measured 0.25x: a chunk's logits, its softmax and dZ alive together,
+    # and the saved dh [T, H] fp32, 1/64 of the logits here)
+    grad_in_forward = temp(functools.partial(lm_head_loss, chunk_tokens=256, head_grad=False), argnums=0)
+    assert grad_in_forward < logits / 2, grad_in_forward / logits
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -204,6 +266,8 @@ def test_bad_chunks_are_named(kwargs, match):
         lm_head_loss(h, w, labels, **kwargs)
     with pytest.raises(TypeError, match="'ignore_index' must be an int"):
         lm_head_loss(h, w, labels, ignore_index=-100.0)
+    with pytest.raises(TypeError, match="'head_grad' must be a bool, got 'no'"):
+        lm_head_loss(h, w, labels, head_grad="no")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -296,7 +296,8 @@ def make_step(s: dict, variant: str):
         if variant == "jax.grad":
             return _loss_fn(lora, params, ids, ids, n_items, cfg, lcfg, backend=backend, attention=attention)
         h = _hidden_states(params, lora, ids, cfg, lcfg, backend=backend, attention=attention)
-        total, _ = lm_head_loss(h, head_weight(params, cfg).astype(h.dtype), ids, chunk_tokens=s["chunk_tokens"])
+        total, _ = lm_head_loss(h, head_weight(params, cfg).astype(h.dtype), ids, chunk_tokens=s["chunk_tokens"],
+                                head_grad=False)  # LoRA: the head is frozen, dh is formed in the forward
         return total / n_items
 
     def step(lora, opt_state, params, ids, n_items):

@@ -20,8 +20,12 @@ both at micro-batch 2 x seq 4096 = 8192 tokens (NeMo's run), bf16 operands; ever
 Variants (named ``<model> <implementation> <dtype> <gradients>``):
 
 * ``jaxgrad fused ct=C cv=V``: :func:`jaxgrad.ops.lm_head_loss.lm_head_loss` at ``chunk_tokens=C`` and
-  ``chunk_vocab=V`` (``all``: ``None``, one ``[C, vocab]`` logits block per step): never holds ``[tokens, vocab]``;
-  recomputes each chunk's logits in the backward (``+2 N V H`` FLOPs, not in the floor);
+  ``chunk_vocab=V`` (``all``: ``None``, one ``[C, vocab]`` logits block per step): never holds ``[tokens, vocab]``.
+  ``dh`` rows: the frozen head's form (``head_grad=False``, LoRA's), ``dh`` formed in the forward from the chunk's
+  own logits (with vocabulary chunks the logits are formed twice, ``+2 N V H``); ``dh+dW`` rows: the backward
+  recomputes each chunk's logits (``+2 N V H``, not in the floor);
+* ``jaxgrad fused recompute ct=C cv=V`` (``dh`` rows, the default chunking): the head-gradient path differentiated
+  in ``h`` only: what the frozen head costs without ``head_grad=False``;
 * ``jax.grad plain``: the model's plain path (:func:`jaxgrad.lora.model.apply`'s head einsum, bf16 logits with fp32
   accumulation, then :func:`jaxgrad.lora.model.token_losses`' fp32 log-softmax), differentiated by ``jax.grad``;
 * ``torch F.linear+F.cross_entropy``: what HF's ``LlamaForCausalLM`` does: ``F.linear`` under bf16 autocast, the
@@ -86,6 +90,9 @@ CHUNKS: dict[str, dict[str, tuple]] = {
     "small": dict(tokens=(16, 8, 32), vocab=(None, 256)),
 }
 FUSED, PLAIN, TORCH, LIGER = "jaxgrad fused", "jax.grad plain", "torch F.linear+F.cross_entropy", "torch liger FLCE"
+#: the fused loss with the head's gradient path (its backward recomputes the logits), timed for ``dh`` only: what a
+#: frozen head costs without ``head_grad=False``
+FUSED_RECOMPUTE = "jaxgrad fused recompute"
 H100_BF16, H100_TF32 = PEAKS["H100 SXM"].bf16_flops, PEAKS["H100 SXM"].tf32_flops
 
 
@@ -102,7 +109,8 @@ class Variant:
 
     @property
     def name(self) -> str:
-        chunking = f" ct={self.chunk_tokens} cv={self.chunk_vocab or 'all'}" if self.impl == FUSED else ""
+        chunking = (f" ct={self.chunk_tokens} cv={self.chunk_vocab or 'all'}" if self.impl in (FUSED, FUSED_RECOMPUTE)
+                    else "")
         return f"{self.model} {self.impl}{chunking} {self.dtype} {'dh+dW' if self.head_grad else 'dh'}"
 
     @property
@@ -112,14 +120,17 @@ class Variant:
 
 def _variants(sizes: str, head_grad: bool, dtype: str) -> list[Variant]:
     """The variants of one dtype in run order: per model, the fused loss at its default chunking, the plain loss,
-    the torch peers, then the other chunkings (a spent ``--budget-s`` cuts the tail)."""
+    the torch peers, the fused loss through its head-gradient path (``dh`` rows), then the other chunkings (a spent
+    ``--budget-s`` cuts the tail)."""
     chunks = CHUNKS[sizes]
     out = []
     for model in SHAPES[sizes]:
         fused = [Variant(model, FUSED, dtype, head_grad, ct, cv) for ct in chunks["tokens"] for cv in chunks["vocab"]]
         if dtype == "bf16":
+            recompute = [] if head_grad else [Variant(model, FUSED_RECOMPUTE, dtype, False, *chunks["tokens"][:1],
+                                                      chunks["vocab"][0])]
             out += [fused[0], Variant(model, PLAIN, dtype, head_grad), Variant(model, TORCH, dtype, head_grad),
-                    Variant(model, LIGER, dtype, head_grad), *fused[1:]]
+                    Variant(model, LIGER, dtype, head_grad), *recompute, *fused[1:]]
         else:  # f32: the default chunking against the two plain losses
             out += [fused[0], Variant(model, PLAIN, dtype, head_grad), Variant(model, TORCH, dtype, head_grad)]
     return out
@@ -175,7 +186,7 @@ def _row(v: Variant, sizes: str, precision: str) -> bm.Row:
     row = bm.Row(suite=SUITE, variant=v.name, sizes=dict(s, head_grad=v.head_grad), dtype=v.dtype,
                  precision=precision, flops=head_flops(s, v.head_grad),
                  bytes_moved=head_bytes(s, v.head_grad, 2 if v.dtype == "bf16" else 4))
-    if v.impl == FUSED:
+    if v.impl in (FUSED, FUSED_RECOMPUTE):
         row.sizes.update(chunk_tokens=v.chunk_tokens, chunk_vocab=v.chunk_vocab)
     return row
 
@@ -246,10 +257,14 @@ def jax_step(v: Variant):
 
     from jaxgrad.ops.lm_head_loss import lm_head_loss
 
-    if v.impl == FUSED:
+    if v.impl in (FUSED, FUSED_RECOMPUTE):
+        # FUSED for dh: the frozen head's form (dh made in the forward); FUSED_RECOMPUTE: the head-gradient path,
+        # differentiated in h only (XLA drops the dW product)
+        head_grad = v.head_grad or v.impl == FUSED_RECOMPUTE
+
         def loss(h, w, labels):
             return lm_head_loss(h, w, labels, ignore_index=IGNORE_INDEX, chunk_tokens=v.chunk_tokens,
-                                chunk_vocab=v.chunk_vocab)[0]
+                                chunk_vocab=v.chunk_vocab, head_grad=head_grad)[0]
     elif v.impl == PLAIN:
         loss = plain_loss
     else:
@@ -267,8 +282,11 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     loss = float(compiled(*args)[0])
     extra = ["fresh process", "memory: " + ("device peak" if row.peak_bytes is not None
                                             else "compiled argument + output + temp (no device allocator stats)")]
-    if v.impl == FUSED:
+    if v.impl == FUSED_RECOMPUTE or (v.impl == FUSED and v.head_grad):
         extra.append("recomputes the logits in the backward (+2NVH, not in the floor)")
+    elif v.impl == FUSED:
+        extra.append("head frozen (head_grad=False): dh formed in the forward from its logits" +
+                     (" (two vocabulary passes: the logits formed twice, +2NVH)" if v.chunk_vocab else ""))
     if peak_compile is not None:
         extra.append(f"peak after compile {peak_compile / 2**20:.1f} MiB")
     return _finish(row, loss / (s["batch"] * (s["seq"] - 1)), extra)

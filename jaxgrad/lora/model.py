@@ -345,20 +345,26 @@ def causal_lm_loss(logits, labels, n_items, ignore_index: int = IGNORE_INDEX):
 
 def causal_lm_loss_fused(params, lora, input_ids, labels, n_items, cfg: LlamaConfig, lcfg: LoraConfig | None = None,
                          *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, chunk_vocab: int | None = None,
-                         ignore_index: int = IGNORE_INDEX, **apply_kwargs):
+                         ignore_index: int = IGNORE_INDEX, head_grad: bool | None = None, **apply_kwargs):
     """``causal_lm_loss(apply(params, lora, input_ids, cfg, lcfg, **apply_kwargs), labels, n_items)`` without the
     ``[batch, seq, vocab]`` logits: :func:`hidden_states`, then the LM head and the loss fused and chunked over
     ``chunk_tokens`` tokens (and ``chunk_vocab`` vocabulary rows) by :func:`jaxgrad.ops.lm_head_loss.lm_head_loss`,
     divided by ``n_items`` (:func:`count_items` over the window). Same value and gradients (LoRA's, and with
     ``train_base`` the embedding's and the head's, tied or not), except that the logits are not rounded to the
     activation dtype before the loss (for bf16 activations the fused loss is the more accurate; for float32 and
-    float64 the two are the same function)."""
+    float64 the two are the same function).
+
+    ``head_grad`` (default: ``train_base``): whether the head (the embedding when tied) is differentiated through
+    the loss. ``False`` treats it as frozen (``stop_gradient``, as the block's projection weights are): LoRA's case,
+    where the loss's ``dh`` is formed in the forward (:func:`~jaxgrad.ops.lm_head_loss.lm_head_loss`'s
+    ``head_grad``)."""
     if isinstance(n_items, (int, np.integer)) and n_items <= 0:
         raise ValueError(f"causal_lm_loss_fused: 'n_items' must be > 0 (the non-ignored labels of the window), got "
                          f"{n_items}")
     h = hidden_states(params, lora, input_ids, cfg, lcfg, **apply_kwargs)
     total, _ = lm_head_loss(h, head_weight(params, cfg).astype(h.dtype), labels, ignore_index=ignore_index,
-                            chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+                            chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+                            head_grad=bool(apply_kwargs.get("train_base", False)) if head_grad is None else head_grad)
     return total / n_items
 
 

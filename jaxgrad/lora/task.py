@@ -282,8 +282,9 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
         if fit.loss == "logits":
             return _sum_and_count(model(params, batch, path.backend, path.attention, key)[1], batch)
         base_params, h = model(params, batch, path.backend, path.attention, key, fn=hidden_states)
+        # LoRA modes: the head is frozen, so dh is formed in the forward (head_grad=False); mode full trains it
         s, _ = lm_head_loss(h, head_weight(base_params, cfg).astype(h.dtype), batch["labels"],
-                            chunk_tokens=fit.loss_chunk_tokens)
+                            chunk_tokens=fit.loss_chunk_tokens, head_grad=fit.mode == "full")
         return s, jnp.sum(batch["n_items"])
 
     def reference_loss(params, batch, key=None):

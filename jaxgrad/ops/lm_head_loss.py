@@ -31,6 +31,14 @@ rounded once to the activation dtype before the loss upcasts them, neither funct
 and float64 the two are the same). ``dZ`` is rounded to the inputs' dtype for its two products (tensor-core
 operands; exact for float32 and float64), which accumulate in fp32.
 
+**A frozen head** (``head_grad=False``: LoRA, whose head and tied embedding are constants) is the function of
+``stop_gradient(W)``: its ``dW`` is zero, and the whole gradient is ``dh``, which needs only the forward's quantities.
+So the forward forms it there, Liger-Kernel's way: per token chunk, ``Z`` (once), ``m``, ``s``, then ``dZ / L_bar =
+c (exp(Z - m) / s - onehot(y))`` and ``dh_chunk / L_bar = (dZ / L_bar) W``, saved ``[tokens, hidden]`` in
+``promote_types(dtype, float32)``; the backward only scales it by ``L_bar`` (and rounds once to ``h``'s dtype). Two
+``[tokens, vocab, hidden]`` products instead of three; with vocabulary chunks the forward makes two passes over
+them (the log-sum-exp first, then ``dZ``), so the logits are still formed twice there.
+
 Token chunks that do not divide the ``B * T`` rows: the last chunk is the last ``chunk_tokens`` rows, and the rows
 it shares with the previous chunk count as ignored there (their loss and their ``dh`` were taken in their own
 chunk): no copy of ``h`` is padded. Vocabulary chunks the same way: the columns of the last chunk that the previous
@@ -260,16 +268,85 @@ def _bwd(ignore_index, chunk_tokens, chunk_vocab, residuals, g):
 _lm_head_loss.defvjp(_fwd, _bwd)
 
 
+def _chunk_loss_and_dh(hc, w, yc, valid, v: int, cv: int, nv: int, cdt, dtype):
+    """``(loss [ct], dh / L_bar [ct, H])`` of one token chunk: the loss rows (0 where not counted, NaN where the label
+    is out of range) and the unscaled input gradient ``c (exp(Z - m) / s - onehot(y)) W``. With one vocabulary chunk
+    the logits are formed once; with several, a first pass takes the log-sum-exp and a second forms ``dZ``."""
+    in_range = (yc >= 0) & (yc < v)
+    row = jnp.where(valid, jnp.where(in_range, 1.0, jnp.nan), 0.0).astype(cdt)
+
+    def dz_of(z, m, s, vstart):
+        onehot = (yc - vstart)[:, None] == jnp.arange(z.shape[1])[None, :]
+        dz = (jnp.exp(z - m[:, None]) / s[:, None] - onehot) * row[:, None]
+        return jnp.where(jnp.isneginf(z), 0.0, dz).astype(dtype)  # columns of an earlier chunk: done there
+
+    if nv == 1:
+        z = jnp.einsum("ch,vh->cv", hc, w, preferred_element_type=cdt)
+        m = jnp.max(z, axis=-1)
+        s = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
+        picked = jnp.take_along_axis(z, jnp.clip(yc, 0, v - 1)[:, None], axis=-1)[:, 0]
+        dhc = jnp.einsum("cv,vh->ch", dz_of(z, m, s, 0), w, preferred_element_type=cdt)
+    else:
+        m, s, picked = _chunk_lse_and_target(hc, w, yc, hc.shape[0], cv, nv, cdt)
+
+        def vocab_step(dhc, j):
+            z, vstart, wj = _vocab_logits(hc, w, j, cv, cdt)
+            return dhc + jnp.einsum("cv,vh->ch", dz_of(z, m, s, vstart), wj, preferred_element_type=cdt), None
+
+        dhc, _ = jax.lax.scan(vocab_step, jnp.zeros(hc.shape, cdt), jnp.arange(nv))
+    loss = jnp.where(valid, jnp.where(in_range, m + jnp.log(s) - picked, jnp.nan), 0.0)
+    return loss, dhc
+
+
+def _forward_frozen_head(h2, w, targets, ignore_index: int, chunk_tokens: int, chunk_vocab: int):
+    """``(total, dh / L_bar)``: the summed loss and its gradient w.r.t. ``h2`` (``promote_types(dtype, float32)``),
+    chunk by chunk; the head is a constant."""
+    cdt = compute_dtype(h2.dtype)
+    n, v = h2.shape[0], w.shape[0]
+    ct, nt = _chunks(n, chunk_tokens)
+    cv, nv = _chunks(v, chunk_vocab)
+
+    def step(carry, i):
+        total, dh = carry
+        start, hc, yc, valid, fresh = _token_chunk(h2, targets, i, ct, ignore_index)
+        loss, dhc = _chunk_loss_and_dh(hc, w, yc, valid, v, cv, nv, cdt, h2.dtype)
+        old = jax.lax.dynamic_slice_in_dim(dh, start, ct, axis=0)
+        dh = jax.lax.dynamic_update_slice_in_dim(dh, jnp.where(fresh[:, None], dhc, old), start, axis=0)
+        return (total + jnp.sum(loss), dh), None
+
+    (total, dh), _ = jax.lax.scan(step, (jnp.zeros((), cdt), jnp.zeros(h2.shape, cdt)), jnp.arange(nt))
+    return total, dh
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _lm_head_loss_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab):
+    return _forward_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab)[0]
+
+
+def _fwd_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab):
+    total, dh = _forward_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab)
+    return total, (dh, jnp.zeros((0,), h2.dtype))  # the empty array carries h's dtype
+
+
+def _bwd_frozen_head(ignore_index, chunk_tokens, chunk_vocab, residuals, g):
+    # d/dh (g L) = g (dZ/L_bar) W, formed in the forward; w enters as stop_gradient(w): its cotangent is zero
+    dh, like_h = residuals
+    return (g.astype(dh.dtype) * dh).astype(like_h.dtype), None, None
+
+
+_lm_head_loss_frozen_head.defvjp(_fwd_frozen_head, _bwd_frozen_head)
+
+
 def lm_head_loss(h, w, labels, *, ignore_index: int = -100, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 chunk_vocab: int | None = None):
+                 chunk_vocab: int | None = None, head_grad: bool = True):
     """``(sum of the token losses, number of counted labels)`` of the logits ``h W^T`` under HF's shift, computed
     ``chunk_tokens`` rows at a time with a hand-written VJP: equal to :func:`lm_head_loss_reference`, without its
     ``[B, T - 1, V]`` logits (see the module docstring for the equations and what is saved).
 
     Args:
       h: ``[B, T, H]`` hidden states (floating point; the final-normed activations of the model).
-      w: ``[V, H]`` the LM head (or the tied embedding), of ``h``'s dtype. Its gradient is returned (full
-        fine-tuning, a trained tied embedding); where nothing uses it (LoRA's frozen head) XLA drops it.
+      w: ``[V, H]`` the LM head (or the tied embedding), of ``h``'s dtype. With ``head_grad`` its gradient is
+        returned (full fine-tuning, a trained tied embedding).
       labels: ``[B, T]`` integers; ``labels[:, t + 1]`` is the target of position ``t``; ``ignore_index`` is not
         counted. Concrete labels outside ``[0, V)`` (other than ``ignore_index``) are a ``ValueError`` naming
         ``labels``; traced ones make the loss NaN (and the gradient: their row of ``dZ`` is NaN).
@@ -277,6 +354,10 @@ def lm_head_loss(h, w, labels, *, ignore_index: int = -100, chunk_tokens: int = 
       chunk_tokens: token rows (of the ``B * T``) per chunk, ``>= 1``; need not divide ``B * T``.
       chunk_vocab: vocabulary rows of ``w`` per inner chunk (online log-sum-exp), ``>= 1``; ``None``: all of them
         (one ``[chunk_tokens, V]`` logits block per step).
+      head_grad: ``True``: differentiable in ``h`` and ``w`` (the backward recomputes each chunk's logits).
+        ``False``: the function of ``stop_gradient(w)`` (a frozen head: LoRA): ``w``'s gradient is zero by
+        definition, and ``dh`` is formed in the forward from its own logits (two ``[tokens, vocab, hidden]``
+        products instead of three; saves ``[B * T, H]`` in fp32 instead of ``m`` and ``s``).
 
     Returns:
       the summed loss (``promote_types(dtype, float32)``: fp32 for bf16 and f32, f64 for f64) and the int32 count
@@ -286,14 +367,18 @@ def lm_head_loss(h, w, labels, *, ignore_index: int = -100, chunk_tokens: int = 
     _check_inputs(h, w, labels, ignore_index, where)
     _check_chunk(chunk_tokens, "chunk_tokens", where)
     _check_chunk(chunk_vocab, "chunk_vocab", where, optional=True)
+    if not isinstance(head_grad, (bool, np.bool_)):
+        raise TypeError(f"{where}: 'head_grad' must be a bool, got {head_grad!r}")
     b, t, hidden = h.shape
     targets = shifted_targets(labels, ignore_index)
     count = jnp.sum(targets != ignore_index, dtype=jnp.int32)
     if b * t == 0:
         return jnp.zeros((), compute_dtype(h.dtype)), count
     chunk_vocab = w.shape[0] if chunk_vocab is None else int(chunk_vocab)
-    total = _lm_head_loss(h.reshape(b * t, hidden), w, targets.reshape(b * t), int(ignore_index), int(chunk_tokens),
-                          chunk_vocab)
+    fused = _lm_head_loss if head_grad else _lm_head_loss_frozen_head
+    w = w if head_grad else jax.lax.stop_gradient(w)
+    total = fused(h.reshape(b * t, hidden), w, targets.reshape(b * t), int(ignore_index), int(chunk_tokens),
+                  chunk_vocab)
     return total, count
 
 
@@ -321,7 +406,8 @@ def audit_make_args(key, size):
 def audit_cases():
     """Cases for ``jaxgrad audit``: the summed loss as a function of ``(h, w)`` (labels fixed per size,
     :func:`audit_labels`), at sizes whose tokens and vocabulary no chunk divides; token chunks only, and token and
-    vocabulary chunks (online log-sum-exp)."""
+    vocabulary chunks (online log-sum-exp); and the frozen head (``head_grad=False``, ``dh`` formed in the forward)
+    as a function of ``h`` alone, the head a fixed draw of each size."""
     from jaxgrad.ops.registry import OpAudit
 
     def labels_of(h, w):
@@ -336,6 +422,24 @@ def audit_cases():
         return lm_head_loss_reference(h, w, labels_of(h, w))[0]
 
     sizes = ((2, 7, 12, 37), (2, 13, 20, 61), (3, 11, 24, 101))
+    vocab_of = {hidden: vocab for _, _, hidden, vocab in sizes}
+
+    def frozen_head(hidden, dtype):  # the frozen head of a size, a constant of h (fixed draw)
+        return audit_make_args(jax.random.key(11), (1, 1, hidden, vocab_of[hidden]))[1].astype(dtype)
+
+    def frozen(h):
+        w = frozen_head(h.shape[2], h.dtype)
+        return lm_head_loss(h, w, labels_of(h, w), chunk_tokens=4, head_grad=False)[0]
+
+    def frozen_reference(h):
+        w = frozen_head(h.shape[2], h.dtype)
+        return lm_head_loss_reference(h, w, labels_of(h, w))[0]
+
+    def frozen_make_args(key, size):
+        return audit_make_args(key, size)[:1]
+
     return (OpAudit("lm_head_loss[xla]", fused(None), reference, audit_make_args, sizes, arg_names=("h", "w")),
             OpAudit("lm_head_loss[xla] vocab chunks", fused(16), reference, audit_make_args, sizes,
-                    arg_names=("h", "w")))
+                    arg_names=("h", "w")),
+            OpAudit("lm_head_loss[xla] frozen head", frozen, frozen_reference, frozen_make_args, sizes,
+                    arg_names=("h",)))
