@@ -26,8 +26,14 @@ Variants (:data:`VARIANTS`), each as its users run it:
 * ``jaxgrad``: the whole-block custom VJP (:func:`jaxgrad.lora.model.hidden_states`, ``backend`` mosaic on a Hopper
   GPU with bf16, else xla; cuDNN attention on a GPU, ``jax.nn.dot_product_attention(implementation="xla")``
   elsewhere), the fused LM-head loss (:func:`jaxgrad.ops.lm_head_loss.lm_head_loss`, no ``[tokens, vocab]``
-  logits), ``gradient_checkpointing`` as ``--checkpointing`` (default none: the VJP already recomputes inside each
-  block), ``optax.adamw`` with the adapters and their moments donated;
+  logits; the head frozen, so ``dh`` is formed in the forward), ``gradient_checkpointing`` as ``--checkpointing``
+  (default none: the VJP already recomputes inside each block), ``block_recompute="shared"`` (the VJP's recompute
+  shared with the forward by XLA: fastest, the forward's activations alive until the backward), ``optax.adamw`` with
+  the adapters and their moments donated;
+* ``jaxgrad recompute=mlp``, ``jaxgrad recompute=all``: the same with ``block_recompute`` ``"mlp"`` / ``"all"``
+  (:data:`jaxgrad.lora.config.BLOCK_RECOMPUTE`: the MLP half, or both halves, recomputed for real in the backward:
+  less memory, more time); ``jaxgrad checkpointing=full``: the same with every block under ``jax.checkpoint``
+  (only each block's input kept);
 * ``jax.grad``: ``jax.grad`` of the plain model (reference block, the same attention, ``[tokens, vocab]`` logits
   and the plain loss); expected out of memory at full size: reported as a result (``out of memory: ...``);
 * ``transformers+PEFT``: ``LlamaForCausalLM`` (SDPA, bf16) + ``peft.get_peft_model``, gradient checkpointing on
@@ -89,7 +95,9 @@ MODELS = {
 }
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, seq=64)
 LORA = dict(r=16, alpha=32.0)
-VARIANTS = ("jaxgrad", "transformers+PEFT", "transformers+PEFT+Liger", "jax.grad")  # run order: ours, peers, OOM
+#: run order: ours (the block VJP's recompute choices, :data:`jaxgrad.lora.config.BLOCK_RECOMPUTE`), peers, OOM
+VARIANTS = ("jaxgrad", "jaxgrad recompute=mlp", "jaxgrad recompute=all", "jaxgrad checkpointing=full",
+            "transformers+PEFT", "transformers+PEFT+Liger", "jax.grad")
 NEMO_8B = "NeMo AutoModel, Llama-3-8B LoRA r=16 bf16 seq 4096 micro-batch 2, one H100: 12,473 tokens/s, 402 TFLOP/s"
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 UNSLOTH_CONTEXT = "Unsloth (published): 342,733 tokens, Llama-3.1-8B QLoRA on 80 GB"
@@ -196,14 +204,22 @@ def header_lines(s: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- the JAX model
-def configs(s: dict):
+def variant_memory(variant: str, s: dict) -> tuple[str, str]:
+    """``(block_recompute, gradient_checkpointing)`` of a variant: ``recompute=`` and ``checkpointing=`` in its
+    name, else ``"shared"`` and the run's ``--checkpointing``."""
+    words = dict(w.split("=", 1) for w in variant.split()[1:] if "=" in w)
+    return words.get("recompute", "shared"), words.get("checkpointing", s["checkpointing"])
+
+
+def configs(s: dict, variant: str = "jaxgrad"):
     from jaxgrad.lora.config import LlamaConfig, LoraConfig
 
     cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rope_theta=s["rope_theta"],
                       rope_scaling=s["rope_scaling"], max_position_embeddings=max(131072, s["seq"]),
                       vocab_size=s["vocab"], rms_norm_eps=RMS_EPS, num_hidden_layers=s["layers"],
-                      tie_word_embeddings=s["tied"], gradient_checkpointing=s["checkpointing"])
+                      tie_word_embeddings=s["tied"], gradient_checkpointing=variant_memory(variant, s)[1],
+                      block_recompute=variant_memory(variant, s)[0])
     lcfg = LoraConfig(r=s["r"], lora_alpha=s["alpha"], target_modules="all-linear")
     return cfg, lcfg
 
@@ -287,7 +303,7 @@ def make_step(s: dict, variant: str):
     from jaxgrad.lora.model import _hidden_states, _loss_fn, head_weight
     from jaxgrad.ops.lm_head_loss import lm_head_loss
 
-    cfg, lcfg = configs(s)
+    cfg, lcfg = configs(s, variant)
     backend, attention = resolve_backend(s, variant)
     opt = optax.adamw(ADAMW["lr"], b1=ADAMW["b1"], b2=ADAMW["b2"], eps=ADAMW["eps"],
                       weight_decay=ADAMW["weight_decay"])
@@ -330,9 +346,11 @@ def run_jax_variant(variant: str, s: dict, *, repeats: int, warmup: int):
     ids_host = peers.host_tokens(s)
     ids, n_items = jax.device_put(ids_host), jnp.asarray(count_items(ids_host), jnp.int32)
     jax.block_until_ready((params, lora, opt_state))
-    notes = [f"backend={backend}, attention={attention}, checkpointing={s['checkpointing']}, "
-             + ("fused LM-head loss (chunk " + str(s["chunk_tokens"]) + " tokens)" if variant == "jaxgrad" else
-                "plain [tokens, vocab] logits loss") + ", adapters and Adam moments donated"]
+    recompute, checkpointing = variant_memory(variant, s)
+    notes = [f"backend={backend}, attention={attention}, checkpointing={checkpointing}, "
+             + (f"block_recompute={recompute}, fused LM-head loss (chunk {s['chunk_tokens']} tokens, head frozen: dh "
+                "in the forward)" if variant.startswith("jaxgrad") else "plain [tokens, vocab] logits loss")
+             + ", adapters and Adam moments donated"]
     try:
         t0 = time.perf_counter()
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(lora, opt_state, params, ids, n_items).compile()

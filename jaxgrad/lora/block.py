@@ -67,7 +67,10 @@ attention half from ``x``. When the forward and the backward are one XLA program
 shares each recomputation with the forward's identical one (common subexpressions), so the recompute costs no time
 but the forward's activations stay alive until their backward use. ``low_memory=True`` ties the attention half's
 input to :math:`\bar x_2` with an ``optimization_barrier``: it is recomputed for real after the MLP's backward, so
-the two halves' activations are never alive together. Measured on the H100 at the benchmark shape, one run of the
+the two halves' activations are never alive together. ``cfg.block_recompute = "mlp"`` does the same for the MLP
+half (its input tied to :math:`\bar y`): the forward's gate, up and SwiGLU activations (three ``[B, T, I]`` arrays,
+most of a Llama block's) die after the forward, at the cost of the gate and up products again; ``"all"`` both
+halves. Measured on the H100 at the benchmark shape, one run of the
 XLA backend (``benchmarks/results/lora-nvidia-h100-80gb-hbm3-bf16-20261125-123552.txt``): peak 1015 MiB and
 6.57 ms with it, 1150 MiB and 5.95 ms without (PEFT 1074 MiB). At the benchmark shape (batch 4, seq 2048,
 hidden 2048, 16 heads / 8 kv heads, head_dim 128, intermediate 5632, r 16, bf16) the saved tensors are
@@ -417,7 +420,13 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     s = 0.0 if lcfg is None else lcfg.scale
     projs, us = _projections(lcfg, params, lora, dropout_key, kern, dt)
-    act = _recompute_mlp(cfg, params, x2, r2, projs, kern)  # the MLP half first (x2 saved)
+    # the MLP half first (x2 saved). By default XLA shares it with the forward's identical computation (free, but
+    # the forward's gate / up / SwiGLU activations stay alive until here); recompute_mlp: the barrier makes its input
+    # depend on dy, so it is recomputed for real, only now
+    x2_mlp = x2
+    if kern.recompute_mlp:
+        x2_mlp, dy = jax.lax.optimization_barrier((x2, dy))
+    act = _recompute_mlp(cfg, params, x2_mlp, r2, projs, kern)
     act["us"] = us
     grads = {}
 
@@ -460,7 +469,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     de, du = kern.swiglu_bwd(act["e"], act["u"], dm, cdt)
     dh2 = projs_bwd(act["h2"], GATE_UP, [de, du])
     # post-attention RMSNorm: dx2 += r2 (g - n2 mean(g n2)), dw_post = sum dh2 n2
-    dx2_norm, dw_post = kern.norm_bwd(x2, params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
+    dx2_norm, dw_post = kern.norm_bwd(x2_mlp, params["post_attention_layernorm"]["weight"], r2, dh2, cdt)
     dx2 = dy + dx2_norm
     # the attention half. By default it is the forward's own computation again, which XLA shares with the forward
     # when both are in one program (a training step): free, but its activations stay alive through the MLP's
@@ -531,7 +540,9 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
         ``A`` rows folded in (module docstring, "Grouped projections"); off by default (on the H100 the same time at
         +459 MiB of peak memory: docs/design.md).
       low_memory: the backward recomputes the attention half for real after the MLP's backward instead of sharing
-        the forward's (module docstring, "What the VJP saves"): less peak memory, more time.
+        the forward's (module docstring, "What the VJP saves"): less peak memory, more time. ``cfg.block_recompute``
+        (``"shared"``, ``"mlp"``, ``"all"``: :data:`jaxgrad.lora.config.BLOCK_RECOMPUTE`) says the same for the model:
+        ``"mlp"`` recomputes the MLP half for real, ``"all"`` both halves (``low_memory`` included).
       fold_lora_b: each projection's forward as one GEMM ``[h | sU] [W | B]^T``
         (:func:`jaxgrad.ops.lora_linear.lora_linear_fwd`'s ``fold_b``; ``sU`` rounded once to the operand dtype);
         on by default: on the H100 the same time as the separate ``U B^T`` product at 131 MiB less peak memory
@@ -548,9 +559,10 @@ def block(params, lora, x, cfg: LlamaConfig, lcfg: LoraConfig | None = None, pos
     # interpret only matters to the kernels: the xla backend without Pallas attention ignores it (one trace)
     kernels = backend == "pallas" or attention == "pallas"
     kern = BlockKernels(backend, None if interpret is None or not kernels else bool(interpret),
-                        bool(group_projections), bool(low_memory), bool(fold_lora_b),
+                        bool(group_projections), bool(low_memory) or cfg.block_recompute == "all", bool(fold_lora_b),
                         cudnn_key_lengths=(attention == "cudnn" and segment_ids is None
-                                           and right_padded(attention_mask)))
+                                           and right_padded(attention_mask)),
+                        recompute_mlp=cfg.block_recompute != "shared")
     return _block(cfg, lcfg, attention, params, lora, x, positions, attention_mask, dropout_key, kern, segment_ids)
 
 
@@ -561,6 +573,8 @@ def _block_sdpa(params, lora, x, cfg, lcfg, positions=None, attention_mask=None,
     lora = {} if lora is None else lora
     validate_block_inputs(params, lora, x, cfg, lcfg, positions, attention_mask, segment_ids)
     return _block(cfg, lcfg, f"sdpa:{implementation}", params, lora, x, positions, attention_mask, dropout_key,
-                  BlockKernels(group=bool(group_projections), low_memory=bool(low_memory), fold_b=bool(fold_lora_b),
-                               cudnn_key_lengths=segment_ids is None and right_padded(attention_mask)),
+                  BlockKernels(group=bool(group_projections), low_memory=bool(low_memory) or cfg.block_recompute == "all",
+                               fold_b=bool(fold_lora_b),
+                               cudnn_key_lengths=segment_ids is None and right_padded(attention_mask),
+                               recompute_mlp=cfg.block_recompute != "shared"),
                   segment_ids)

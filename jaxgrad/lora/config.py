@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LlamaConfig", "LoraConfig", "PROJECTIONS", "CHECKPOINT_POLICIES"]
+__all__ = ["LlamaConfig", "LoraConfig", "PROJECTIONS", "CHECKPOINT_POLICIES", "BLOCK_RECOMPUTE"]
 
 #: The 7 projections of a Llama block, as (group, name), in PEFT / HF order.
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -23,6 +23,12 @@ PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "
 #: ``jax.checkpoint_policies`` name.
 CHECKPOINT_POLICIES = ("none", "full", "dots_saveable", "nothing_saveable", "everything_saveable",
                        "dots_with_no_batch_dims_saveable")
+#: ``block_recompute`` values: what the whole-block VJP's backward recomputes for real instead of sharing the
+#: forward's identical computation (:mod:`jaxgrad.lora.block`, "What the VJP saves"): "shared" (nothing: fastest,
+#: the forward's activations stay alive until the backward), "mlp" (the MLP half: its gate, up and SwiGLU
+#: activations are freed after the forward), "all" (both halves: only the block's input and its residual stream
+#: between the halves stay alive).
+BLOCK_RECOMPUTE = ("shared", "mlp", "all")
 
 # config.json keys that are metadata or runtime switches and do not change the math.
 _HF_IGNORED = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id",
@@ -55,7 +61,9 @@ class LlamaConfig:
     ``rope_scaling`` is ``None`` or the Llama-3 rule (``{"rope_type": "llama3", "factor", "low_freq_factor",
     "high_freq_factor", "original_max_position_embeddings"}``); any other type is refused. ``attention_bias``,
     ``mlp_bias`` must be False, ``hidden_act`` ``"silu"``, ``attention_dropout`` 0 and ``pretraining_tp`` 1 (the only
-    math implemented). ``gradient_checkpointing`` picks the ``jax.checkpoint`` policy of each block in the model.
+    math implemented). ``gradient_checkpointing`` picks the ``jax.checkpoint`` policy of each block in the model;
+    ``block_recompute`` what the hand-written block VJP recomputes for real (:data:`BLOCK_RECOMPUTE`): a runtime
+    switch of memory against time, like ``gradient_checkpointing``, with the same gradients.
     """
 
     hidden_size: int = 2048
@@ -76,6 +84,7 @@ class LlamaConfig:
     attention_dropout: float = 0.0
     pretraining_tp: int = 1
     gradient_checkpointing: str = "none"
+    block_recompute: str = "shared"
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -121,6 +130,9 @@ class LlamaConfig:
         if self.gradient_checkpointing not in CHECKPOINT_POLICIES:
             raise ValueError(f"LlamaConfig: 'gradient_checkpointing' must be one of {CHECKPOINT_POLICIES}, got "
                              f"{self.gradient_checkpointing!r}")
+        if self.block_recompute not in BLOCK_RECOMPUTE:
+            raise ValueError(f"LlamaConfig: 'block_recompute' must be one of {BLOCK_RECOMPUTE}, got "
+                             f"{self.block_recompute!r}")
 
     @property
     def projection_shapes(self) -> dict[tuple[str, str], tuple[int, int]]:

@@ -94,6 +94,9 @@ class BlockKernels:
     # tensor). block() sets it only for a concrete right-padded mask (jaxgrad.ops.attention.right_padded); otherwise,
     # and by default, the mask goes in as a boolean [B, 1, T, T] mask, right for any mask (block._cudnn_attention)
     cudnn_key_lengths: bool = False
+    # the backward recomputes the MLP half for real (an optimization_barrier ties its input to dy): the forward's
+    # gate, up and SwiGLU activations die after the forward instead of living until the backward; more time
+    recompute_mlp: bool = False
 
     @property
     def pallas(self) -> bool:

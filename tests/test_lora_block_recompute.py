@@ -1,0 +1,56 @@
+"""``LlamaConfig.block_recompute``: what the whole-block VJP's backward recomputes for real instead of sharing the
+forward's computation. Every choice is the same function with the same gradients (float64); "mlp" and "all" hold
+less compiled temporary memory in a training step than "shared", "all" the least; bad values are named."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrad.lora.config import BLOCK_RECOMPUTE, LlamaConfig, LoraConfig
+from jaxgrad.lora.model import causal_lm_loss_fused, init, init_lora
+
+CFG = LlamaConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=256, vocab_size=97, num_hidden_layers=3)
+LCFG = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+
+
+def _step(recompute, dtype, seq):
+    cfg = dataclasses.replace(CFG, block_recompute=recompute)
+    params = jax.tree.map(lambda a: a.astype(dtype), init(jax.random.key(0), CFG))
+    lora = jax.tree.map(lambda a: a.astype(dtype), init_lora(jax.random.key(1), CFG, LCFG))
+    ids = jax.random.randint(jax.random.key(2), (2, seq), 0, CFG.vocab_size)
+    fn = jax.jit(jax.value_and_grad(lambda lo, p, ids: causal_lm_loss_fused(p, lo, ids, ids, 2 * (seq - 1), cfg,
+                                                                           LCFG)))
+    return fn, (lora, params, ids)
+
+
+@pytest.mark.parametrize("recompute", ["mlp", "all"])
+def test_every_choice_gives_the_shared_loss_and_lora_gradients_float64(recompute):
+    with jax.enable_x64(True):
+        fn, args = _step("shared", jnp.float64, 33)
+        want, gw = fn(*args)
+        fn, args = _step(recompute, jnp.float64, 33)
+        got, gg = fn(*args)
+        assert abs(float(got - want)) <= 1e-13 * abs(float(want))
+        for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gw), strict=True):
+            assert float(jnp.max(jnp.abs(a - b))) <= 1e-12 * float(jnp.max(jnp.abs(b)))
+
+
+def test_recomputing_for_real_holds_less_temporary_memory_in_a_training_step():
+    """Measured on the CPU (float32, 3 layers, 2 x 256 tokens, intermediate 4 x hidden): shared 17.0, mlp 12.7,
+    all 9.9 MiB of temporaries; the MLP half's gate, up and SwiGLU outputs are most of a block's activations."""
+    temp = {}
+    for recompute in BLOCK_RECOMPUTE:
+        fn, args = _step(recompute, jnp.float32, 256)
+        temp[recompute] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp["all"] < temp["mlp"] < temp["shared"], temp
+    assert temp["mlp"] < 0.8 * temp["shared"], temp
+
+
+def test_a_bad_choice_is_named():
+    with pytest.raises(ValueError, match=r"'block_recompute' must be one of \('shared', 'mlp', 'all'\), got 'some'"):
+        dataclasses.replace(CFG, block_recompute="some")
+    assert np.all([dataclasses.replace(CFG, block_recompute=r).block_recompute == r for r in BLOCK_RECOMPUTE])
