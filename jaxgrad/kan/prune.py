@@ -103,11 +103,18 @@ def _std(v, axis=0):
 def attribution(params: Sequence[dict[str, jax.Array]], x: jax.Array, symbolic=None) -> Attribution:
     """pykan's node and edge scores (module docstring) on the data ``x[n, in]``. ``symbolic``: a
     :class:`jaxgrad.kan.symbolic.SymbolicEdges` table whose edges count as part of the network."""
-    from jaxgrad.kan.symbolic import _check_symbolic, _symbolic_term
+    from jaxgrad.kan.symbolic import _check_symbolic
+    from jaxgrad.kan.layer import check_params
 
     layers = _layers(params)
-    h = _as_data(layers, x)
-    symbolic = _check_symbolic(symbolic, layers)
+    x = _as_data(layers, x)
+    for p in layers:
+        check_params(p)  # the knot values too, which jit cannot see
+    return Attribution(*_attribution_jit(layers, x, _check_symbolic(symbolic, layers)))
+
+
+@jax.jit
+def _attribution_jit(layers, h, symbolic):
     edge_std, edge_mean, node_std = [], [], []
     for l, p in enumerate(layers):
         phi, _ = edge_activations(p, h)  # [n, out, in]
@@ -128,7 +135,7 @@ def attribution(params: Sequence[dict[str, jax.Array]], x: jax.Array, symbolic=N
         score = jnp.sum(e, axis=0)
         edge_scores.append(e)
         node_scores.append(score)
-    return Attribution(node_scores[::-1], edge_scores[::-1], edge_mean)
+    return node_scores[::-1], edge_scores[::-1], edge_mean
 
 
 def _check_threshold(name, value):

@@ -143,12 +143,22 @@ def kan_apply_symbolic(params, symbolic: SymbolicEdges | None, x: jax.Array, *, 
 
 
 def layer_inputs(params, x: jax.Array, symbolic: SymbolicEdges | None = None) -> list[jax.Array]:
-    """``[x^(0), ..., x^(L)]``: the nodes of every layer on the data ``x[n, in]`` (reference forward)."""
-    from jaxgrad.kan.layer import kan_linear_reference
-
+    """``[x^(0), ..., x^(L)]``: the nodes of every layer on the data ``x[n, in]`` (reference forward, jitted)."""
     layers = _layers(params)
     symbolic = _check_symbolic(symbolic, layers)
-    h = jnp.asarray(x).reshape(-1, layers[0]["base_weight"].shape[1])
+    for p in layers:
+        check_params(p)  # the knot values too, which jit cannot see
+    x = jnp.asarray(x)
+    if x.ndim < 1 or x.shape[-1] != layers[0]["base_weight"].shape[1]:
+        raise ValueError(f"'x' must have shape [n, {layers[0]['base_weight'].shape[1]}] (the network's inputs), got "
+                         f"{tuple(x.shape)}")
+    return _layer_inputs_jit(layers, x.reshape(-1, x.shape[-1]), symbolic)
+
+
+@jax.jit
+def _layer_inputs_jit(layers, h, symbolic):
+    from jaxgrad.kan.layer import kan_linear_reference
+
     out = [h]
     for l, p in enumerate(layers):
         y = kan_linear_reference(p, h)
@@ -216,7 +226,7 @@ def edge_samples(params, x: jax.Array, edge, *, num: int = 100, symbolic: Symbol
                  ) -> tuple[np.ndarray, np.ndarray]:
     """``(u[num], phi(u)[num])``: edge ``(layer, out, in)``'s numerical activation at ``num`` points spread
     uniformly over its input's range on the data ``x`` (float64 NumPy)."""
-    from jaxgrad.kan.plot import edge_activations
+    from jaxgrad.kan.plot import _edge_activations_jit
 
     layers = _layers(params)
     l, o, i = _edge_index(layers, edge)
@@ -227,7 +237,7 @@ def edge_samples(params, x: jax.Array, edge, *, num: int = 100, symbolic: Symbol
     lo, hi = h.min(axis=0), h.max(axis=0)
     grid = np.linspace(0.0, 1.0, num)[:, None] * (hi - lo)[None, :] + lo[None, :]  # [num, in]
     p = layers[l]
-    phi, _ = edge_activations(p, jnp.asarray(grid, dtype=p["spline_weight"].dtype))
+    phi, _ = _edge_activations_jit(p, jnp.asarray(grid, dtype=p["spline_weight"].dtype))
     return grid[:, i].astype(np.float64), np.asarray(phi[:, o, i], dtype=np.float64)
 
 
