@@ -10,27 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.kan.edges import _edge_activations_jit, check_symbolic, edge_activations, layer_inputs
 from jaxgrad.kan.layer import check_params
-from jaxgrad.kan.spline import bspline_basis
 
 __all__ = ["edge_activations", "network_figure", "plot_activations", "plot_network"]
 
 
-def edge_activations(params: dict[str, jax.Array], x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(phi[n, out, in], spline_part[n, out, in])`` at ``x[n, in]`` (materialised: meant for plotting)."""
-    k = check_params(params, x)
-    basis = bspline_basis(x, params["grid"], k)  # [n, in, G+k]
-    coef = params["spline_weight"] * params["spline_scaler"][..., None]
-    spline = jnp.einsum("nim,oim->noi", basis, coef)
-    phi = params["base_weight"][None] * jax.nn.silu(x)[:, None, :] + spline
-    return phi, spline
-
-
-_edge_activations_jit = jax.jit(edge_activations)
 
 
 def plot_activations(params_list: dict | Sequence[dict], path, x_range=None, num: int = 200,
@@ -114,7 +102,6 @@ def network_figure(params_list: Sequence[dict], x, *, symbolic=None, beta: float
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("network_figure needs matplotlib (pip install matplotlib)") from e
     from jaxgrad.kan.prune import attribution
-    from jaxgrad.kan.symbolic import _check_symbolic, layer_inputs
 
     if isinstance(params_list, dict):
         params_list = [params_list]
@@ -124,7 +111,7 @@ def network_figure(params_list: Sequence[dict], x, *, symbolic=None, beta: float
     if isinstance(num, bool) or not isinstance(num, int) or num < 2:
         raise ValueError(f"network_figure: 'num' must be an int >= 2, got {num!r}")
     att = attribution(layers, x, symbolic)  # checks params and x
-    symbolic = _check_symbolic(symbolic, layers)
+    symbolic = check_symbolic(symbolic, layers)
     acts = [np.asarray(h, dtype=np.float64) for h in layer_inputs(layers, x, symbolic)]
     widths = [layers[0]["base_weight"].shape[1]] + [p["base_weight"].shape[0] for p in layers]
     for name, names, n in (("in_vars", in_vars, widths[0]), ("out_vars", out_vars, widths[-1])):

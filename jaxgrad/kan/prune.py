@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.kan.layer import check_params
 from jaxgrad.kan.network import kan_apply_reference, kan_widths
-from jaxgrad.kan.plot import edge_activations
+from jaxgrad.kan.edges import check_symbolic, edge_activations
 
 __all__ = ["Attribution", "Pruned", "apply_edge_masks", "attribution", "freeze_edges", "prune", "prune_edges",
            "prune_nodes"]
@@ -103,14 +104,12 @@ def _std(v, axis=0):
 def attribution(params: Sequence[dict[str, jax.Array]], x: jax.Array, symbolic=None) -> Attribution:
     """pykan's node and edge scores (module docstring) on the data ``x[n, in]``. ``symbolic``: a
     :class:`jaxgrad.kan.symbolic.SymbolicEdges` table whose edges count as part of the network."""
-    from jaxgrad.kan.symbolic import _check_symbolic
-    from jaxgrad.kan.layer import check_params
 
     layers = _layers(params)
     x = _as_data(layers, x)
     for p in layers:
         check_params(p)  # the knot values too, which jit cannot see
-    return Attribution(*_attribution_jit(layers, x, _check_symbolic(symbolic, layers)))
+    return Attribution(*_attribution_jit(layers, x, check_symbolic(symbolic, layers)))
 
 
 @jax.jit

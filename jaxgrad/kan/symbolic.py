@@ -36,143 +36,42 @@ part. A zeroed numerical edge keeps ``spline_weight`` and ``spline_scaler`` at z
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.kan.layer import check_params, kan_linear
-from jaxgrad.kan.network import kan_widths
+from jaxgrad.kan.edges import (SymbolicEdges, _edge_activations_jit, check_symbolic, layer_inputs, network_layers,
+                               symbolic_term)
+from jaxgrad.kan.layer import kan_linear
 from jaxgrad.kan.symbolic_fit import SYMBOLIC_LIBRARY, SymbolicFunction, fit_affine, library
 
+# SymbolicEdges and layer_inputs live in jaxgrad.kan.edges (shared with prune and plot) and are re-exported here
 __all__ = ["Suggestion", "SymbolicEdges", "auto_symbolic", "edge_samples", "fix_symbolic", "kan_apply_symbolic",
            "layer_inputs", "numerical_edge_masks", "suggest_symbolic", "unfix_symbolic"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The table of symbolic edges
+# The forward with symbolic edges
 # ---------------------------------------------------------------------------------------------------------------
-@jax.tree_util.register_pytree_node_class
-class SymbolicEdges:
-    """Symbolic edges ``(layer, out, in, fun)`` (static) with their ``affine[n, 4] = (a, b, c, d)`` (the leaf)."""
-
-    def __init__(self, edges: Sequence[tuple[int, int, int, SymbolicFunction]] = (), affine=None):
-        self.edges = tuple((int(l), int(o), int(i), f) for l, o, i, f in edges)
-        if affine is None:
-            affine = np.zeros((len(self.edges), 4))
-        self.affine = affine
-        if getattr(affine, "shape", None) != (len(self.edges), 4):
-            raise ValueError(f"SymbolicEdges: 'affine' must have shape ({len(self.edges)}, 4) (a, b, c, d per edge), "
-                             f"got {getattr(affine, 'shape', type(affine).__name__)}")
-        if len({e[:3] for e in self.edges}) != len(self.edges):
-            raise ValueError("SymbolicEdges: an edge (layer, out, in) appears twice")
-
-    def tree_flatten(self):
-        return (self.affine,), self.edges
-
-    @classmethod
-    def tree_unflatten(cls, edges, children):
-        obj = cls.__new__(cls)
-        obj.edges, obj.affine = edges, children[0]
-        return obj
-
-    def index(self, layer: int, out: int, inp: int) -> int | None:
-        """Row of edge ``(layer, out, inp)`` in ``affine``, or ``None``."""
-        for k, (l, o, i, _) in enumerate(self.edges):
-            if (l, o, i) == (layer, out, inp):
-                return k
-        return None
-
-    def formulas(self, digits: int = 4) -> dict[tuple[int, int, int], str]:
-        """``{(layer, out, in): "c*f(a*x + b) + d"}`` with the current affine values."""
-        aff = np.asarray(self.affine, dtype=np.float64)
-        return {(l, o, i): f.formula(*aff[k], var=f"x{l}_{i}", digits=digits)
-                for k, (l, o, i, f) in enumerate(self.edges)}
-
-    def __repr__(self):
-        return f"SymbolicEdges({list(self.formulas().values())})"
-
-
-def _layers(params):
-    layers = [params] if isinstance(params, dict) else list(params)
-    kan_widths(layers)
-    return layers
-
-
-def _check_symbolic(symbolic, layers):
-    if symbolic is None:
-        return SymbolicEdges()
-    if not isinstance(symbolic, SymbolicEdges):
-        raise TypeError(f"'symbolic' must be a SymbolicEdges table (or None), got {type(symbolic).__name__}")
-    for l, o, i, _ in symbolic.edges:
-        if not 0 <= l < len(layers) or not (0 <= o < layers[l]["base_weight"].shape[0]
-                                            and 0 <= i < layers[l]["base_weight"].shape[1]):
-            raise ValueError(f"'symbolic' has edge (layer={l}, out={o}, in={i}), which the params do not have "
-                             f"(widths {kan_widths(layers)})")
-    return symbolic
-
-
-def _symbolic_term(symbolic, layer, x, out_f):
-    """``sum_e c f(a x_i + b) + d`` into output ``o`` for the edges of ``layer``: ``[..., out_f]`` or ``None``."""
-    rows = [(k, o, i, f) for k, (l, o, i, f) in enumerate(symbolic.edges) if l == layer]
-    if not rows:
-        return None
-    aff = jnp.asarray(symbolic.affine)
-    cols = []
-    for k, _, i, f in rows:
-        a, b, c, d = aff[k, 0], aff[k, 1], aff[k, 2], aff[k, 3]
-        cols.append(c * f.fn(a * x[..., i] + b, jnp) + d)
-    onehot = np.zeros((len(rows), out_f))
-    onehot[np.arange(len(rows)), [o for _, o, _, _ in rows]] = 1.0
-    vals = jnp.stack(cols, axis=-1)
-    return vals @ jnp.asarray(onehot, vals.dtype)
-
-
 def kan_apply_symbolic(params, symbolic: SymbolicEdges | None, x: jax.Array, *, backend: str = "xla",
                        precision=None, interpret: bool | None = None) -> jax.Array:
     """``KAN(widths)(x)`` with the symbolic edges of ``symbolic`` added to each layer (module docstring); with
     ``symbolic=None`` or an empty table, exactly :func:`jaxgrad.kan.network.kan_apply`."""
-    layers = _layers(params)
-    symbolic = _check_symbolic(symbolic, layers)
+    layers = network_layers(params)
+    symbolic = check_symbolic(symbolic, layers)
     for l, p in enumerate(layers):
         y = kan_linear(p, x, backend=backend, precision=precision, interpret=interpret)
-        extra = _symbolic_term(symbolic, l, x, y.shape[-1])
+        extra = symbolic_term(symbolic, l, x, y.shape[-1])
         x = y if extra is None else y + extra.astype(y.dtype)
     return x
-
-
-def layer_inputs(params, x: jax.Array, symbolic: SymbolicEdges | None = None) -> list[jax.Array]:
-    """``[x^(0), ..., x^(L)]``: the nodes of every layer on the data ``x[n, in]`` (reference forward, jitted)."""
-    layers = _layers(params)
-    symbolic = _check_symbolic(symbolic, layers)
-    for p in layers:
-        check_params(p)  # the knot values too, which jit cannot see
-    x = jnp.asarray(x)
-    if x.ndim < 1 or x.shape[-1] != layers[0]["base_weight"].shape[1]:
-        raise ValueError(f"'x' must have shape [n, {layers[0]['base_weight'].shape[1]}] (the network's inputs), got "
-                         f"{tuple(x.shape)}")
-    return _layer_inputs_jit(layers, x.reshape(-1, x.shape[-1]), symbolic)
-
-
-@jax.jit
-def _layer_inputs_jit(layers, h, symbolic):
-    from jaxgrad.kan.layer import kan_linear_reference
-
-    out = [h]
-    for l, p in enumerate(layers):
-        y = kan_linear_reference(p, h)
-        extra = _symbolic_term(symbolic, l, h, y.shape[-1])
-        h = y if extra is None else y + extra.astype(y.dtype)
-        out.append(h)
-    return out
 
 
 def numerical_edge_masks(params, symbolic: SymbolicEdges | None) -> list[np.ndarray]:
     """Per layer ``bool[out, in]``: ``False`` on the edges ``symbolic`` holds (their numerical part must stay zero),
     for :func:`jaxgrad.kan.prune.freeze_edges` (combine with pruning masks by ``&``)."""
-    layers = _layers(params)
-    symbolic = _check_symbolic(symbolic, layers)
+    layers = network_layers(params)
+    symbolic = check_symbolic(symbolic, layers)
     masks = [np.ones(p["base_weight"].shape, bool) for p in layers]
     for l, o, i, _ in symbolic.edges:
         masks[l][o, i] = False
@@ -226,9 +125,7 @@ def edge_samples(params, x: jax.Array, edge, *, num: int = 100, symbolic: Symbol
                  ) -> tuple[np.ndarray, np.ndarray]:
     """``(u[num], phi(u)[num])``: edge ``(layer, out, in)``'s numerical activation at ``num`` points spread
     uniformly over its input's range on the data ``x`` (float64 NumPy)."""
-    from jaxgrad.kan.plot import _edge_activations_jit
-
-    layers = _layers(params)
+    layers = network_layers(params)
     l, o, i = _edge_index(layers, edge)
     num = _check_num(num)
     h = np.asarray(layer_inputs(layers, x, symbolic)[l])
@@ -296,8 +193,8 @@ def fix_symbolic(params, symbolic: SymbolicEdges | None, edge, fun, *, x: jax.Ar
     fitted on the data ``x`` by :func:`suggest_symbolic`'s sampling (``fit_kwargs``: ``num``, ``a_range``, ...), or
     with ``x=None`` set to ``(a, b, c, d) = (1, 0, 1, 0)`` (pykan's ``fit_params_bool=False``).
     """
-    layers = _layers(params)
-    symbolic = _check_symbolic(symbolic, layers)
+    layers = network_layers(params)
+    symbolic = check_symbolic(symbolic, layers)
     l, o, i = _edge_index(layers, edge)
     if isinstance(fun, Suggestion):
         f, aff = fun.fun, fun.affine
@@ -350,8 +247,8 @@ def auto_symbolic(params, x: jax.Array, *, symbolic: SymbolicEdges | None = None
     earlier layers' symbolic edges. Returns ``(params, symbolic, report)`` with ``report[(layer, out, in)]`` = the
     ranked suggestions of each edge tried (the first one was fixed when its ``r2`` reached the threshold).
     Zeroed (pruned) edges are left alone."""
-    layers = _layers(params)
-    symbolic = _check_symbolic(symbolic, layers)
+    layers = network_layers(params)
+    symbolic = check_symbolic(symbolic, layers)
     report = {}
     for l in range(len(layers)):
         out_f, in_f = layers[l]["base_weight"].shape
