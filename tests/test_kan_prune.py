@@ -197,5 +197,7 @@ def test_bad_arguments_are_named():
         attribution(params, x[:1])
     with pytest.raises(ValueError, match="'threshold' must be a finite number >= 0"):
         prune_nodes(params, x, threshold=-1.0)
+    with pytest.raises(ValueError, match="every node of hidden layer 1 scores <= threshold=100"):
+        prune_nodes(params, x, threshold=100.0)
     with pytest.raises(ValueError, match=r"'masks'\[1\] must have shape \(1, 3\)"):
         apply_edge_masks(params, [np.ones((3, 2), bool), np.ones((3, 1), bool)])

@@ -180,6 +180,18 @@ def test_symbolic_edges_train_with_the_params(x64):
     assert float(jnp.abs(p[0]["base_weight"] - new[0]["base_weight"]).max()) > 0  # the others did train
 
 
+def test_fix_symbolic_fits_on_the_data_like_the_suggestion(x64):
+    params, x = _net(), _data()
+    (sin,) = [s for s in suggest_symbolic(params, x, (0, 2, 0), lib=["sin", "x"]) if s.name == "sin"]
+    _, sym = fix_symbolic(params, None, (0, 2, 0), "sin", x=x)
+    np.testing.assert_allclose(np.asarray(sym.affine[0]), sin.affine, rtol=1e-12)
+    _, sym = fix_symbolic(params, None, (0, 2, 0), sin)  # a Suggestion is taken as is
+    np.testing.assert_allclose(np.asarray(sym.affine[0]), sin.affine, rtol=1e-12)
+    assert sym.formulas()[(0, 2, 0)].startswith(f"{sin.c:.4g}*sin(")
+    with pytest.raises(ValueError, match="no \\(a, b\\) in the ranges keeps arcsin's argument in its domain"):
+        fix_symbolic(params, None, (0, 2, 0), "arcsin", x=x, a_range=(5, 10), b_range=(5, 10))
+
+
 def test_unfix_and_bad_edges(x64):
     params = _net()
     new, sym = fix_symbolic(params, None, (0, 1, 1), "exp")

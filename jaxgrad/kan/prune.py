@@ -162,7 +162,12 @@ def prune_nodes(params: Sequence[dict[str, jax.Array]], x: jax.Array, *, thresho
     widths = kan_widths(layers)
     kept = [np.arange(widths[0])]
     for l in range(1, len(layers)):
-        kept.append(np.flatnonzero(np.asarray(att.node_scores[l]) > threshold))
+        scores = np.asarray(att.node_scores[l])
+        kept.append(np.flatnonzero(scores > threshold))
+        if kept[-1].size == 0:
+            raise ValueError(f"prune_nodes: every node of hidden layer {l} scores <= threshold={threshold:g} (the "
+                             f"highest is {scores.max():.3g}); removing them all would cut the network: lower "
+                             f"'threshold'")
     kept.append(np.arange(widths[-1]))
     new = [dict(p) for p in layers]
     for l in range(1, len(layers)):  # node layer l: rows of layers[l-1], columns of layers[l]
