@@ -196,7 +196,7 @@ def _checkpointed(fn, policy: str):
 
 def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = None, *, attention_mask=None,
           positions=None, segment_ids=None, dropout_key=None, backend: str = "xla", attention: str = "xla", dtype=None,
-          train_base: bool = False):
+          train_base: bool = False, layer_call=None):
     """Logits ``[batch, seq, vocab]`` (in the activation dtype) of the causal LM.
 
     Args:
@@ -230,11 +230,14 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
       dtype: activation dtype (default: the embedding's).
       train_base: with ``backend="reference"``, let gradients reach the projection weights (training a base
         model); the custom VJP treats them as frozen.
+      layer_call: ``layer_call(i, fn, layer, layer_lora, h, key) -> h`` runs layer ``i``'s block ``fn`` on its
+        params (default: ``fn`` under ``cfg.gradient_checkpointing``); e.g. :mod:`jaxgrad.lora.sharding` gathers
+        the layer's sharded weights there, just before the block.
     """
     check_attention(attention, "apply")
     return _apply(params, lora, input_ids, cfg, lcfg, attention_mask=attention_mask, positions=positions,
                   segment_ids=segment_ids, dropout_key=dropout_key, backend=backend, attention=attention, dtype=dtype,
-                  train_base=train_base)
+                  train_base=train_base, layer_call=layer_call)
 
 
 def hidden_states(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = None, **apply_kwargs):
@@ -261,7 +264,7 @@ def _apply(params, lora, input_ids, cfg, lcfg=None, **kwargs):
 
 
 def _hidden_states(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=None, positions=None, segment_ids=None,
-                   dropout_key=None, backend="xla", attention="xla", dtype=None, train_base=False):
+                   dropout_key=None, backend="xla", attention="xla", dtype=None, train_base=False, layer_call=None):
     """:func:`hidden_states`, ``attention="sdpa:<implementation>"`` allowed (see :func:`_apply`)."""
     lora = {"layers": [{} for _ in range(cfg.num_hidden_layers)]} if lora is None else lora
     _check_model(params, lora, input_ids, cfg, lcfg, attention_mask, segment_ids)
@@ -292,7 +295,10 @@ def _hidden_states(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=No
             def fn(layer, layer_lora, h, key):
                 return block(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, segment_ids=segment_ids,
                              backend=backend, attention=attention)
-        h = _checkpointed(fn, cfg.gradient_checkpointing)(layer, layer_lora, h, key)
+        if layer_call is None:
+            h = _checkpointed(fn, cfg.gradient_checkpointing)(layer, layer_lora, h, key)
+        else:
+            h = layer_call(i, fn, layer, layer_lora, h, key)
     norm = rms_norm_reference if backend == "reference" else rms_norm
     return norm(h, params["norm"]["weight"].astype(dtype), cfg.rms_norm_eps)
 
