@@ -27,8 +27,8 @@ The constant of a removed edge. The scores measure spread only, so a removed edg
 is lost is only the removed edges' deviation from their mean: the output changes by at most the sum of the removed
 spreads times the downstream slopes. :class:`Pruned` reports the change measured on ``x``.
 
-A zeroed edge keeps ``spline_weight`` and ``spline_scaler`` at zero under further training (each one's gradient has
-the other as a factor); ``base_weight[o, i]`` gets the gradient :math:`g^\top \mathrm{silu}(x_i)`, so chain
+A zeroed edge keeps ``spline_weight`` and ``spline_scaler`` at zero under optimisers whose update of a zero gradient
+is zero (SGD, Adam, AdamW: each one's gradient has the other as a factor); ``base_weight[o, i]`` gets the gradient :math:`g^\top \mathrm{silu}(x_i)`, so chain
 :func:`freeze_edges` (``masks``) into the optimiser to keep pruned edges pruned.
 
 Pruning is eager (its shapes depend on the data) and not differentiated; :func:`attribution` is plain ``jnp``.
