@@ -15,6 +15,11 @@ or signal save raises :class:`~jaxgrad.train.checkpoint.CheckpointSaveError`.
 
 Transitions (``task.transition_steps``): before step ``s`` in the list, params are replaced by
 ``task.transition(params, s)`` and the optimiser state restarts; the jitted step retraces once per new shape.
+
+Layout. The state lies on the mesh as :func:`state_shardings` says: replicated, or with a
+:class:`~jaxgrad.train.mesh.ShardPlan` the frozen params (and, with ``shard_trainable``, the trainable ones and
+the optimiser state) sharded over ``fsdp``. A checkpoint stores the global arrays, whatever the layout: it is
+restored onto the mesh of the resuming run (another device count or layout included), bit for bit.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import numpy as np
 from jaxgrad.train.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointSaveError
 from jaxgrad.train.config import TrainConfig
 from jaxgrad.train.errors import ConfigError
-from jaxgrad.train.mesh import check_divisible, data_mesh, replicate, shard_batch
+from jaxgrad.train.mesh import (FSDP_AXIS, ShardPlan, check_divisible, data_mesh, param_shardings, put, replicate,
+                                replicated, shard_batch)
 from jaxgrad.train.metrics import MetricsLog, Reporter
 from jaxgrad.train.optim import HORIZON_SCHEDULES, lr_at, make_optimizer
 from jaxgrad.train.precision import Policy
@@ -122,10 +128,33 @@ def params_at(task: Task, cfg: TrainConfig, step: int, abstract: bool = False):
     return jax.eval_shape(build) if abstract else build()
 
 
-def abstract_state(task: Task, cfg: TrainConfig, steps: Steps, step: int):
+def state_shardings(task: Task, steps: Steps, mesh, params) -> dict:
+    """The ``NamedSharding`` of every leaf of the state ``{"params", "opt_state", "rng"}`` whose params are
+    ``params`` (arrays or shapes): :func:`jaxgrad.train.mesh.param_shardings` for the params, the sharding XLA gives
+    the optimiser state initialised from them (Adam's moments follow their parameter), the rng replicated."""
+    rep = replicated(mesh)
+    mask = None if task.trainable is None else task.trainable(params)
+    p_shard = param_shardings(mesh, params, mask, steps.plan)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    if steps.plan is None or not steps.plan.shard_trainable:
+        opt = jax.tree.map(lambda _: rep, jax.eval_shape(steps.init_opt, abstract))
+    else:
+        opt = jax.jit(steps.init_opt, in_shardings=(p_shard,)).lower(abstract).compile().output_shardings
+        # a constant leaf (a step count) comes back on one device: it is replicated on the mesh
+        opt = jax.tree.map(lambda s: s if s.device_set == set(mesh.devices.flat) else rep, opt)
+    return {"params": p_shard, "opt_state": opt, "rng": rep}
+
+
+def abstract_state(task: Task, cfg: TrainConfig, steps: Steps, step: int, mesh=None):
+    """The state a checkpoint at ``step`` holds, as shapes (on ``mesh``'s layout when given: a checkpoint is
+    restored straight onto the resuming run's devices)."""
     params = params_at(task, cfg, step, abstract=True)
     opt = jax.eval_shape(steps.init_opt, params)
-    return {"params": params, "opt_state": opt, "rng": jax.eval_shape(lambda: _rng0(cfg))}
+    state = {"params": params, "opt_state": opt, "rng": jax.eval_shape(lambda: _rng0(cfg))}
+    if mesh is None:
+        return state
+    shard = state_shardings(task, steps, mesh, params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shard)
 
 
 def micro_batches(task: Task, start: int) -> Iterator[tuple[int, int, Any]]:
@@ -145,11 +174,15 @@ def micro_batches(task: Task, start: int) -> Iterator[tuple[int, int, Any]]:
         epoch, skip = epoch + 1, 0
 
 
-def build(task: Task, cfg: TrainConfig, mesh=None, max_traces: int | None = None):
-    """``(mesh, steps)`` for ``cfg`` (exposed for tests and notebooks)."""
+def build(task: Task, cfg: TrainConfig, mesh=None, max_traces: int | None = None, plan: ShardPlan | None = None):
+    """``(mesh, steps)`` for ``cfg`` (exposed for tests and notebooks); ``plan``: the task's model sharded over
+    the mesh's ``fsdp`` axis (:class:`~jaxgrad.train.mesh.ShardPlan`; the mesh must have that axis)."""
     mesh = data_mesh(cfg.devices) if mesh is None else mesh
+    if plan is not None and FSDP_AXIS not in mesh.axis_names:
+        raise ValueError(f"build: a ShardPlan needs a mesh with an '{FSDP_AXIS}' axis (jaxgrad.train.mesh."
+                         f"train_mesh), got axes {mesh.axis_names}")
     steps = make_steps(task, make_optimizer(cfg), mesh, policy=policy_of(cfg), grad_path=cfg.grad_path,
-                       lbfgs=cfg.optimizer == "lbfgs", max_traces=max_traces)
+                       lbfgs=cfg.optimizer == "lbfgs", max_traces=max_traces, plan=plan)
     return mesh, steps
 
 
@@ -158,7 +191,12 @@ def init_state(task: Task, cfg: TrainConfig, steps: Steps, mesh, params=None, rn
     state; ``rng`` (key data) carries the engine's RNG stream over a transition (default: the seed's)."""
     params = initial_params(task, cfg) if params is None else params
     rng = _rng0(cfg) if rng is None else rng
-    return replicate(fresh_buffers({"params": params, "opt_state": steps.init_opt(params), "rng": rng}), mesh)
+    if steps.plan is None:
+        return replicate(fresh_buffers({"params": params, "opt_state": steps.init_opt(params), "rng": rng}), mesh)
+    shard = state_shardings(task, steps, mesh, params)
+    params = put(params, shard["params"])  # from the host: no device holds more than its shards
+    opt = jax.jit(steps.init_opt, out_shardings=shard["opt_state"])(params)
+    return fresh_buffers({"params": params, "opt_state": opt, "rng": put(rng, shard["rng"])})
 
 
 def _lbfgs_check(task: Task, cfg: TrainConfig) -> None:
@@ -215,7 +253,8 @@ class _SkipGuard:
 def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = False, use_bar: bool = False,
         argv: list[str] | None = None, step_callback: Callable | None = None,
         hooks: tuple[tuple[int, Callable], ...] = (), max_traces: int | None = None, mesh=None,
-        say: Callable[[str], None] | None = None, on_start: Callable[[], None] | None = None) -> FitResult:
+        say: Callable[[str], None] | None = None, on_start: Callable[[], None] | None = None,
+        plan: ShardPlan | None = None) -> FitResult:
     """Train ``task`` for ``cfg.steps`` steps in run directory ``out`` (prepared by the caller:
     :mod:`jaxgrad.train.rundir`), resuming from its latest good checkpoint when ``resuming``.
 
@@ -225,12 +264,16 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
     checkpoint to resume from, the first batch against the mesh) and before anything is logged: the CLI writes the
     run's configuration files there, so a run refused before it starts leaves none behind.
 
+    ``mesh`` (default: :func:`~jaxgrad.train.mesh.data_mesh` of ``cfg.devices``) and ``plan`` (the task's model
+    sharded over its ``fsdp`` axis) give the layout; a checkpoint of another layout or device count is restored
+    onto this one.
+
     Errors: :class:`~jaxgrad.train.errors.ConfigError` for a configuration the task cannot train (L-BFGS on
     mini-batches, a batch that does not split over the mesh), :class:`TrainingDiverged` (non-finite steps, see
     ``nan_policy``), checkpoint errors (:mod:`jaxgrad.train.checkpoint`).
     """
     out = pathlib.Path(out)
-    mesh, steps = build(task, cfg, mesh, max_traces)
+    mesh, steps = build(task, cfg, mesh, max_traces, plan)
     nb, k, total = task.batches_per_epoch, cfg.accumulate, cfg.steps
     _lbfgs_check(task, cfg)
     ckpt = Checkpointer(out / CKPT_DIR, cfg.keep)
@@ -239,7 +282,7 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
     echo = say or (lambda m: print(m, flush=True))
     unit = task.throughput_unit
     try:
-        restored = ckpt.restore_latest_good(lambda meta: abstract_state(task, cfg, steps, int(meta["step"])),
+        restored = ckpt.restore_latest_good(lambda meta: abstract_state(task, cfg, steps, int(meta["step"]), mesh),
                                             echo) if resuming else None
         notes, resume_info = [], {}
         if restored is not None:
@@ -248,7 +291,7 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
             if meta.get("batches_per_epoch") != nb or meta.get("accumulate", 1) != k:
                 raise CheckpointMismatchError(f"checkpoint {step}: data position {meta} does not match {nb} batches "
                                               f"per epoch and accumulate={k}")
-            state = replicate(state, mesh)
+            state = put(state, state_shardings(task, steps, mesh, state["params"]))
             old_total = meta.get("total_steps")
             if old_total is not None and old_total != total and cfg.schedule in HORIZON_SCHEDULES:
                 before, after = lr_at(cfg, step, old_total), lr_at(cfg, step)
@@ -279,6 +322,7 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
                        "total_steps": total, "batches_per_epoch": nb, "argv": list(sys.argv[1:] if argv is None
                                                                                    else argv),
                        "device": str(jax.devices()[0]), "mesh_devices": int(mesh.devices.size),
+                       "mesh": {str(k): int(v) for k, v in dict(mesh.shape).items()},
                        "throughput_unit": unit, **resume_info})
         window: list = []
         last = {"loss": meta.get("loss"), "sps": None, "ips": None}
@@ -341,7 +385,9 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
                 StopRequest() as stop:
             rep.say(f"{task.describe + '; ' if task.describe else ''}{'resuming at' if resuming else 'starting at'} "
                     f"step {step} of {total}; {nb} batches per epoch, accumulate {k}; {cfg.optimizer}, "
-                    f"grad path {cfg.grad_path}; mesh of {mesh.devices.size} x {jax.devices()[0].platform}")
+                    f"grad path {cfg.grad_path}; mesh of {mesh.devices.size} x {jax.devices()[0].platform}"
+                    + (f" ({' x '.join(f'{a} {n}' for a, n in dict(mesh.shape).items())}; {steps.plan.describe})"
+                       if steps.plan is not None else ""))
             while step < total and stop.signum is None:
                 if step in transitions:
                     state = init_state(task, cfg, steps, mesh, task.transition(state["params"], step),
@@ -418,14 +464,14 @@ def log_end(out: pathlib.Path, result: FitResult, **extra) -> None:
 
 
 def train_in_memory(task: Task, cfg: TrainConfig, params=None, *, mesh=None, max_traces: int | None = None,
-                    on_step: Callable | None = None) -> tuple[dict, list]:
+                    on_step: Callable | None = None, plan: ShardPlan | None = None) -> tuple[dict, list]:
     """:func:`fit`'s step loop without a run directory (no checkpoints, metrics or signals): for notebooks and
     for scripts that chain phases (``scripts/kan_fit.py``). Starts from ``params`` (default ``task.init``) with a
     fresh optimiser state; applies the task's transitions; returns ``(state, losses)`` (device scalars;
     ``losses[i]`` of step ``i + 1``, NaN where the guard skipped a step). At the end, :class:`TrainingDiverged` is
     raised if a step was not finite under ``nan_policy="stop"``, and under ``"skip"`` if ``max_consecutive_skips``
     steps in a row, or all of them, were skipped."""
-    mesh, steps = build(task, cfg, mesh, max_traces)
+    mesh, steps = build(task, cfg, mesh, max_traces, plan)
     _lbfgs_check(task, cfg)
     state = init_state(task, cfg, steps, mesh, params)
     data = micro_batches(task, 0)

@@ -1,11 +1,32 @@
-"""A one-axis device mesh for data parallelism: the batch is split over ``data``, everything else is replicated.
+r"""The device mesh: the batch over ``data`` (and ``fsdp``), a model's frozen weights sharded over ``fsdp``.
 
-One device is a mesh of one; 8 GPUs (or 8 fake CPU devices) need no other code. The per-device gradient is
-computed inside :func:`jax.shard_map` (so custom VJPs and Pallas kernels see their local shard, as on one device)
-and summed over ``data`` with :func:`jax.lax.psum` (:mod:`jaxgrad.train.grads`).
+Layouts (:func:`train_mesh`; ``mesh.axes`` of ``jaxgrad train``):
+
+* ``"data"``: every device holds every parameter; the batch is split over the devices (data parallelism).
+* ``"fsdp"``: the batch is split over the devices as well, and a model that has a :class:`ShardPlan` keeps only
+  ``1/N`` of each large weight on each device (fully sharded data parallelism); a layer's weights are all-gathered
+  just before that layer runs and dropped after it (re-gathered for its backward).
+* ``"data,fsdp"``: both: ``D`` groups of ``F`` devices (``D F`` devices); the weights are sharded over the ``F``
+  devices of a group and replicated over the ``D`` groups (so a gather never leaves its group), the batch is split
+  over all ``D F`` devices.
+
+The mesh is always ``Mesh(devices.reshape(D, F), ("data", "fsdp"))`` (``F = 1`` for ``"data"``, ``D = 1`` for
+``"fsdp"``), so one code path serves every layout; :func:`data_mesh` keeps the one-axis mesh of the plain data
+parallel path. Per device, the family's loss runs inside :func:`jax.shard_map` on its local batch shard (custom
+VJPs and Pallas kernels see local arrays, as on one device) and the sums are reduced by JAX's collectives
+(:mod:`jaxgrad.train.grads`).
+
+Arrays are put on the mesh with :func:`jax.make_array_from_callback`, which every process of a multi-process run
+(:mod:`jaxgrad.train.distributed`) calls with the same global value: each process fills only the shards of its own
+devices.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -14,18 +35,67 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxgrad.train.errors import ConfigError
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+LAYOUTS = ("data", "fsdp", "data,fsdp")
 
 
 def data_mesh(devices=None) -> Mesh:
     """``Mesh(devices, ("data",))``; ``devices``: a sequence of devices, an int (the first n), or None (all)."""
+    return Mesh(np.asarray(_devices(devices, "data_mesh: 'devices'")), (DATA_AXIS,))
+
+
+def _devices(devices, name: str) -> list:
     all_devices = jax.devices()
     if devices is None:
-        devices = all_devices
-    elif isinstance(devices, int):
+        return list(all_devices)
+    if isinstance(devices, int):
         if not 1 <= devices <= len(all_devices):
-            raise ConfigError(f"data_mesh: 'devices' = {devices} but {len(all_devices)} device(s) are available")
-        devices = all_devices[:devices]
-    return Mesh(np.asarray(list(devices)), (DATA_AXIS,))
+            raise ConfigError(f"{name} = {devices} but {len(all_devices)} device(s) are available")
+        return list(all_devices[:devices])
+    return list(devices)
+
+
+def train_mesh(layout: str = "data", devices=None, fsdp: int | None = None) -> Mesh:
+    """The ``("data", "fsdp")`` mesh of a layout (module docstring).
+
+    ``layout``: ``"data"``, ``"fsdp"`` or ``"data,fsdp"``; ``devices``: how many (the first n; None: all) or the
+    devices themselves; ``fsdp``: the size of the ``fsdp`` axis, required with ``"data,fsdp"`` (a divisor of the
+    device count), optional with ``"fsdp"`` (then it must equal the device count) and refused with ``"data"``.
+    """
+    if layout not in LAYOUTS:
+        raise ConfigError(f"mesh.axes must be one of {', '.join(repr(x) for x in LAYOUTS)}, got {layout!r}")
+    devs = _devices(devices, "train.devices")
+    n = len(devs)
+    if fsdp is not None and (not isinstance(fsdp, int) or isinstance(fsdp, bool) or fsdp < 1):
+        raise ConfigError(f"mesh.fsdp must be an int >= 1 (the size of the 'fsdp' axis), got {fsdp!r}")
+    if layout == "data":
+        if fsdp not in (None, 1):
+            raise ConfigError(f"mesh.fsdp = {fsdp} is not used with mesh.axes = 'data' (nothing is sharded); use "
+                              f"mesh.axes = 'fsdp' or 'data,fsdp', or leave mesh.fsdp unset")
+        d, f = n, 1
+    elif layout == "fsdp":
+        if fsdp not in (None, n):
+            raise ConfigError(f"mesh.fsdp = {fsdp} but mesh.axes = 'fsdp' shards over all {n} devices; use "
+                              f"mesh.axes = 'data,fsdp' for {fsdp}-device groups, or leave mesh.fsdp unset")
+        d, f = 1, n
+    else:
+        if fsdp is None:
+            raise ConfigError(f"mesh.axes = 'data,fsdp' needs mesh.fsdp, the devices per fsdp group (a divisor of "
+                              f"the {n} devices)")
+        if n % fsdp:
+            raise ConfigError(f"mesh.fsdp = {fsdp} does not divide the {n} devices; use a divisor of {n}")
+        d, f = n // fsdp, fsdp
+    return Mesh(np.asarray(devs, dtype=object).reshape(d, f), (DATA_AXIS, FSDP_AXIS))
+
+
+def fsdp_size(mesh: Mesh) -> int:
+    """Devices along ``fsdp`` (1 when the mesh has no such axis)."""
+    return int(dict(mesh.shape).get(FSDP_AXIS, 1))
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the batch is split over: ``("data",)`` or ``("data", "fsdp")``."""
+    return tuple(a for a in (DATA_AXIS, FSDP_AXIS) if a in mesh.axis_names)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -33,7 +103,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
 def check_divisible(batch, mesh: Mesh) -> int:
@@ -46,19 +116,131 @@ def check_divisible(batch, mesh: Mesh) -> int:
         raise ValueError(f"batch: every leaf needs the same leading (item) axis, got leading sizes "
                          f"{sorted(np.shape(a)[0] if np.ndim(a) else 'scalar' for a in leaves)}")
     (n,) = sizes
-    d = mesh.shape[DATA_AXIS]
+    d = math.prod(mesh.shape[a] for a in batch_axes(mesh))
     if n % d:
-        raise ConfigError(f"batch size {n} does not divide over the {d} devices of the '{DATA_AXIS}' mesh axis; "
-                         f"use a batch size that is a multiple of {d} (e.g. {max(d, n - n % d)}) or fewer devices")
+        raise ConfigError(f"batch size {n} does not divide over the {d} devices of the "
+                          f"'{','.join(batch_axes(mesh))}' mesh axes; use a batch size that is a multiple of {d} "
+                          f"(e.g. {max(d, n - n % d)}) or fewer devices")
     return n
 
 
+def put(tree, shardings):
+    """``tree`` on the mesh with ``shardings`` (one sharding, or a tree of them matching ``tree``).
+
+    One process: :func:`jax.device_put`. Several (:mod:`jaxgrad.train.distributed`): every process passes the same
+    global value and fills the shards of its own devices (:func:`jax.make_array_from_callback`)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
 def shard_batch(batch, mesh: Mesh):
-    """Put ``batch`` on the mesh, split along its leading axis over ``data`` (checks divisibility first)."""
+    """Put ``batch`` on the mesh, split along its leading axis over the batch axes (checks divisibility first)."""
     check_divisible(batch, mesh)
-    return jax.device_put(batch, batch_sharded(mesh))
+    return put(batch, batch_sharded(mesh))
 
 
 def replicate(tree, mesh: Mesh):
     """Put ``tree`` (params, optimiser state) on every device of the mesh."""
-    return jax.device_put(tree, replicated(mesh))
+    return put(tree, replicated(mesh))
+
+
+def shard_axis(shape, n: int) -> int | None:
+    """The axis a weight of ``shape`` is split along over ``n`` devices: the largest axis whose length ``n``
+    divides (the first of equals), or ``None`` (kept whole on every device: too small or indivisible)."""
+    if n <= 1:
+        return None
+    best = None
+    for i, length in enumerate(shape):
+        if length % n == 0 and length >= n and (best is None or length > shape[best]):
+            best = i
+    return best
+
+
+def axis_spec(ndim: int, axis: int | None) -> PartitionSpec:
+    """``PartitionSpec`` sharding ``axis`` of an ``ndim``-array over ``fsdp`` (``None``: replicated)."""
+    if axis is None:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * axis + [FSDP_AXIS]))
+
+
+def spec_axis(spec: PartitionSpec) -> int | None:
+    """The axis a :func:`axis_spec` shards over ``fsdp``, or ``None``."""
+    for i, entry in enumerate(spec):
+        if entry == FSDP_AXIS:
+            return i
+    return None
+
+
+def gather(x, spec: PartitionSpec):
+    """Inside :func:`jax.shard_map`: the whole array from its ``fsdp`` shards (``all_gather``, tiled), or ``x``
+    itself when ``spec`` keeps it whole."""
+    axis = spec_axis(spec)
+    return x if axis is None else jax.lax.all_gather(x, FSDP_AXIS, axis=axis, tiled=True)
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How a model lies on a mesh with an ``fsdp`` axis, and the loss that runs on its shards.
+
+    Attributes:
+      param_specs: a tree of :class:`~jax.sharding.PartitionSpec` matching the params (over ``fsdp`` only; the
+        ``data`` axis replicates). Frozen leaves are stored so; trainable leaves too when ``shard_trainable``, else
+        whole on every device.
+      loss: ``loss(params, consts, batch[, key]) -> (S, n)``, run per device inside :func:`jax.shard_map`:
+        ``params`` has the trainable leaves whole (the engine gathers sharded ones first) and the frozen leaves as
+        the device's shards (the loss gathers each where it needs it, e.g. a layer's weights just before the
+        layer); ``consts`` likewise (the frozen arrays that are not params, e.g. NF4 projections).
+      reference_loss: the same for ``grad_path = "reference"``.
+      consts, consts_specs: a tree of global arrays already on the mesh, and its specs (``None``: no constants).
+      shard_trainable: the trainable params and the optimiser state are sharded by ``param_specs`` too (the engine
+        gathers them before the loss and reduce-scatters their gradients); else replicated.
+      describe: one line for the log (what is sharded, bytes per device).
+    """
+
+    param_specs: Any
+    loss: Callable
+    reference_loss: Callable | None = None
+    consts: Any = None
+    consts_specs: Any = None
+    shard_trainable: bool = False
+    describe: str = ""
+
+    def loss_for(self, grad_path: str) -> Callable:
+        return self.reference_loss if grad_path == "reference" and self.reference_loss is not None else self.loss
+
+
+def param_shardings(mesh: Mesh, params, mask, plan: ShardPlan | None):
+    """The ``NamedSharding`` of every params leaf: the plan's spec for frozen leaves (``mask`` False) and, with
+    ``plan.shard_trainable``, for trainable ones; replicated otherwise (and everywhere without a plan)."""
+    rep = replicated(mesh)
+    if plan is None:
+        return jax.tree.map(lambda _: rep, params)
+    mask = jax.tree.map(lambda _: True, params) if mask is None else mask
+    return jax.tree.map(lambda m, s: NamedSharding(mesh, s) if (not m or plan.shard_trainable) else rep,
+                        mask, plan.param_specs, is_leaf=is_spec)
+
+
+def bytes_per_device(tree) -> int:
+    """The bytes of ``tree``'s arrays held by one device (the first), from their shardings."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            shape = x.sharding.shard_shape(x.shape)
+            total += int(np.prod(shape)) * x.dtype.itemsize
+        else:
+            total += int(np.size(x)) * np.dtype(getattr(x, "dtype", np.float64)).itemsize
+    return total

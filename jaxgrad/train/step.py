@@ -25,11 +25,16 @@ Randomness (``Task.loss_takes_key``, e.g. LoRA dropout): micro-batch ``j`` of th
 key ``rng`` gets ``fold_in(split(rng)[1], j)`` (``split(rng)[0]`` is the next step's ``rng``), then each device its
 own ``fold_in(., shard index)`` (:func:`~jaxgrad.train.grads.global_sum_loss`); L-BFGS's line search reuses the step's
 key, so the objective it searches is one function. ``mean_loss`` passes no key (evaluation: no dropout).
+
+A model sharded over ``fsdp`` (``plan``, a :class:`~jaxgrad.train.mesh.ShardPlan`) runs the plan's loss on its
+shards (:func:`~jaxgrad.train.grads.plan_sum_loss`); the plan's constants (frozen arrays that are not params, e.g.
+NF4 weights) enter every jitted function as an argument (never baked into the program), bound by :class:`Steps`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +43,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jaxgrad.train.grads import global_sum_loss
+from jaxgrad.train.grads import global_sum_loss, plan_sum_loss
+from jaxgrad.train.mesh import ShardPlan
 from jaxgrad.train.precision import Policy
 from jaxgrad.train.task import Task
 
@@ -82,12 +88,14 @@ class Steps:
     mean_loss: Callable           # (params, batch) -> S / n (evaluation, tests)
     traces: dict[str, int]
     keyed: bool = False           # the task's loss takes a key (e.g. LoRA dropout): accumulation needs the rng
+    plan: ShardPlan | None = None  # the model's layout over the mesh's fsdp axis (None: replicated)
 
 
 def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, *, policy: Policy = Policy(),
-               grad_path: str = "custom_vjp", lbfgs: bool = False, max_traces: int | None = None) -> Steps:
+               grad_path: str = "custom_vjp", lbfgs: bool = False, max_traces: int | None = None,
+               plan: ShardPlan | None = None) -> Steps:
     """Build the jitted step functions. ``max_traces``: wrap the train step in ``chex.assert_max_traces`` (a
-    retrace beyond it raises)."""
+    retrace beyond it raises). ``plan``: the task's model sharded over the mesh's ``fsdp`` axis."""
     loss = task.loss_for(grad_path)
     mask_fn = task.trainable
     keyed = task.loss_takes_key
@@ -96,15 +104,22 @@ def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, 
     def loss_of_split(tf, batch, *key):
         return loss(merge_trainable(*tf), batch, *key)
 
-    total = global_sum_loss(loss_of_split, mesh, policy, keyed=keyed)
+    if plan is None:
+        plain_total = global_sum_loss(loss_of_split, mesh, policy, keyed=keyed)
+
+        def total(tf, consts, batch, *key):
+            return plain_total(tf, batch, *key)
+    else:
+        total = plan_sum_loss(plan, mesh, policy, keyed=keyed, grad_path=grad_path)
+    consts = None if plan is None else plan.consts
 
     def split(params):
         return split_trainable(params, None if mask_fn is None else mask_fn(params))
 
-    def sums(params, batch, key=None):
+    def sums(params, batch, key=None, consts=None):
         train, frozen = split(params)
         key = (key,) if keyed else ()
-        (s, n), (g, _) = jax.value_and_grad(total, has_aux=True)((train, frozen), batch, *key)
+        (s, n), (g, _) = jax.value_and_grad(total, has_aux=True)((train, frozen), consts, batch, *key)
         return s, n, g
 
     def apply(state, loss_value, grads, value_fn=None):
@@ -122,34 +137,34 @@ def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, 
         new_state = _select(ok, new_state, dict(state, rng=new_state["rng"]))
         return new_state, loss_value, ok
 
-    def train_step(state, batch):
+    def train_step(state, batch, consts=None):
         traces["train_step"] += 1
         key = step_key(state["rng"]) if keyed else None
         if lbfgs:
             train, frozen = split(state["params"])
 
             def value_fn(tr):
-                s, n = total((tr, frozen), batch, *((key,) if keyed else ()))
+                s, n = total((tr, frozen), consts, batch, *((key,) if keyed else ()))
                 return s / n.astype(s.dtype)
 
             vg = optax.value_and_grad_from_state(value_fn)
             value, grads = vg(train, state=state["opt_state"])
             return apply(state, value, grads, value_fn)
-        s, n, g = sums(state["params"], batch, key)
+        s, n, g = sums(state["params"], batch, key, consts)
         n = n.astype(s.dtype)
         return apply(state, s / n, jax.tree.map(lambda a: a / n.astype(a.dtype), g))
 
-    def grad_sums(params, batch, key=None):
+    def grad_sums(params, batch, key=None, consts=None):
         traces["grad_sums"] += 1
-        return sums(params, batch, key)
+        return sums(params, batch, key, consts)
 
     def apply_sums(state, s, n, g):
         traces["apply_sums"] += 1
         n = n.astype(s.dtype)
         return apply(state, s / n, jax.tree.map(lambda a: a / n.astype(a.dtype), g))
 
-    def mean_loss(params, batch):
-        s, n = total(split(params), batch)
+    def mean_loss(params, batch, consts=None):
+        s, n = total(split(params), consts, batch)
         return s / n.astype(s.dtype)
 
     def init_opt(params):
@@ -160,9 +175,12 @@ def make_steps(task: Task, optimizer: optax.GradientTransformation, mesh: Mesh, 
         import chex
 
         step_fn = chex.assert_max_traces(train_step, n=max_traces)
-    return Steps(init_opt=init_opt, train_step=jax.jit(step_fn, donate_argnums=(0,)),
-                 grad_sums=jax.jit(grad_sums), apply_sums=jax.jit(apply_sums, donate_argnums=(0,)),
-                 mean_loss=jax.jit(mean_loss), traces=traces, keyed=keyed)
+    def bind(fn):  # the plan's constants: a jit argument of every call, never a constant of the program
+        return fn if consts is None else functools.partial(fn, consts=consts)
+
+    return Steps(init_opt=init_opt, train_step=bind(jax.jit(step_fn, donate_argnums=(0,))),
+                 grad_sums=bind(jax.jit(grad_sums)), apply_sums=jax.jit(apply_sums, donate_argnums=(0,)),
+                 mean_loss=bind(jax.jit(mean_loss)), traces=traces, keyed=keyed, plan=plan)
 
 
 @jax.jit

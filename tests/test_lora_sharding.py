@@ -1,0 +1,150 @@
+"""The LoRA / QLoRA model sharded over a mesh of 8 (fake CPU) devices trains as on one device.
+
+For every layout -- ``data`` 8, ``fsdp`` 8, ``data`` 2 x ``fsdp`` 4, ``fsdp`` 8 with the adapters and Adam's state
+sharded too, and QLoRA (NF4 bytes sharded) under ``fsdp`` 8 and ``data`` 2 x ``fsdp`` 4 -- the loss, every LoRA
+gradient and the parameters after one Adam step equal the single-device run's (float64, 1e-12 relative: only the
+order of the cross-device sums differs). The frozen base lies 1/F per device, and the compiled step all-gathers
+each layer's weights twice (before its block, and again for its backward: no layer's whole weights are kept from
+the forward). Bad layouts are refused with the key named.
+
+The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_CHILD = r"""
+import json
+import chex
+chex.set_n_cpu_devices(8)
+import jax, numpy as np
+jax.config.update("jax_enable_x64", True)
+from jaxgrad.train import TrainConfig, build, data_mesh, init_state, shard_batch
+from jaxgrad.train.errors import ConfigError
+from jaxgrad.train.mesh import train_mesh
+from jaxgrad.lora.task import make_task
+from jaxgrad.lora.sharding import make_sharded_task
+from jaxgrad.lora.task_config import LoraFit
+
+def rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+def lora_leaves(tree):
+    return jax.tree.leaves(tree["lora"])
+
+def fit_of(mode):
+    extra = {"nf4_blocksize": 32, "double_quant": True} if mode == "qlora" else {}
+    return LoraFit(mode=mode, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=64, seq_len=16, batch_size=8, n_bytes=4096, dtype="float64",
+                   init_lora_weights=False, **extra)
+
+cfg = TrainConfig(steps=1, optimizer="adam", lr=1e-3, seed=3)
+report = {}
+for mode, layouts in (("lora", (("data", None, False), ("fsdp", None, False), ("data,fsdp", 4, False),
+                                ("fsdp", None, True))),
+                      ("qlora", (("fsdp", None, False), ("data,fsdp", 4, False)))):
+    fit = fit_of(mode)
+    task = make_task(fit, device=("cpu", None))
+    batch = next(iter(task.batches(0)))
+    mesh, steps = build(task, cfg, mesh=data_mesh(1))
+    state = init_state(task, cfg, steps, mesh)
+    s1, n1, g1 = steps.grad_sums(state["params"], shard_batch(batch, mesh))
+    one, _, _ = steps.train_step(state, shard_batch(batch, mesh))
+    for layout, f, shard_trainable in layouts:
+        mesh = train_mesh(layout, 8, f)
+        stask, plan = make_sharded_task(fit, mesh, device=("cpu", None), shard_trainable=shard_trainable)
+        _, steps = build(stask, cfg, mesh=mesh, plan=plan)
+        state = init_state(stask, cfg, steps, mesh)
+        sharded = shard_batch(batch, mesh)
+        s, n, g = steps.grad_sums(state["params"], sharded)
+        gs = steps.grad_sums  # a partial binding the plan's constants (QLoRA's NF4 weights), or the jitted function
+        jitted, kw = (gs.func, gs.keywords) if hasattr(gs, "func") else (gs, {})
+        hlo = jitted.lower(state["params"], sharded, **kw).compile().as_text()
+        new, _, ok = steps.train_step(state, sharded)
+        emb = new["params"]["base"]["embed_tokens"]["weight"]
+        lora_a = new["params"]["lora"]["layers"][0]["self_attn"]["q_proj"]["lora_A"]
+        report[f"{mode} {layout} {f} {shard_trainable}"] = {
+            "n": [float(n1), float(n)], "loss": rel(s, s1),
+            "grad": max(rel(a, b) for a, b in zip(lora_leaves(g), lora_leaves(g1))),
+            "grad_nonzero": all(float(np.max(np.abs(np.asarray(a)))) > 0 for a in lora_leaves(g1)),
+            "step": max(rel(a, b) for a, b in zip(lora_leaves(new["params"]), lora_leaves(one["params"]))),
+            "ok": bool(ok), "fsdp": mesh.shape["fsdp"],
+            "embed_rows_per_device": emb.sharding.shard_shape(emb.shape)[0], "embed_rows": emb.shape[0],
+            "lora_a_replicated": bool(lora_a.sharding.is_fully_replicated),
+            "all_gathers": sum(1 for ln in hlo.splitlines() if " all-gather(" in ln or " all-gather-start(" in ln),
+            "describe": plan.describe}
+errors = {}
+for name, args in (("axes", ("model", 8, None)), ("fsdp_with_data", ("data", 8, 2)),
+                   ("data_fsdp_without_fsdp", ("data,fsdp", 8, None)), ("indivisible", ("data,fsdp", 8, 3)),
+                   ("fsdp_not_all", ("fsdp", 8, 4))):
+    try:
+        train_mesh(*args)
+        errors[name] = None
+    except ConfigError as err:
+        errors[name] = str(err)
+try:
+    make_sharded_task(LoraFit(mode="full", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=64, seq_len=16, n_bytes=4096),
+                      train_mesh("fsdp", 8), device=("cpu", None))
+    errors["full"] = None
+except ConfigError as err:
+    errors["full"] = str(err)
+report["errors"] = errors
+print("REPORT" + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
+    return json.loads(line[len("REPORT"):])
+
+
+def _runs(report):
+    return {k: v for k, v in report.items() if k != "errors"}
+
+
+def test_every_layout_gives_the_single_device_loss_gradients_and_adam_step(report):
+    runs = _runs(report)
+    assert len(runs) == 6
+    for name, r in runs.items():
+        assert r["n"][0] == r["n"][1] > 0, (name, r)
+        assert r["grad_nonzero"] and r["ok"], (name, r)
+        assert r["loss"] <= 1e-12 and r["grad"] <= 1e-12 and r["step"] <= 1e-12, (name, r)
+
+
+def test_the_frozen_base_lies_one_fsdp_th_per_device_and_each_layer_is_gathered_for_its_forward_and_backward(report):
+    layers, projections = 2, 7
+    for name, r in _runs(report).items():
+        assert r["embed_rows_per_device"] * r["fsdp"] == r["embed_rows"], (name, r)
+        assert f"fsdp {r['fsdp']}" in r["describe"], (name, r)
+        shard_trainable = name.endswith("True")
+        if r["fsdp"] > 1:
+            # the embedding and the head once; every projection before its block and again in the backward (NF4:
+            # its packed bytes and its absmax codes; the one-element absmax2 stays whole); sharded adapters, A and B
+            # of each projection, once
+            per_projection = 2 if name.startswith("qlora") else 1
+            adapters = 2 * layers * projections if shard_trainable else 0
+            assert r["all_gathers"] == 2 + 2 * layers * projections * per_projection + adapters, (name, r)
+        assert r["lora_a_replicated"] is (not shard_trainable), (name, r)
+
+
+def test_bad_layouts_are_refused_naming_the_key(report):
+    e = report["errors"]
+    assert "mesh.axes" in e["axes"] and "'model'" in e["axes"]
+    assert "mesh.fsdp = 2" in e["fsdp_with_data"] and "'data'" in e["fsdp_with_data"]
+    assert "needs mesh.fsdp" in e["data_fsdp_without_fsdp"]
+    assert "mesh.fsdp = 3 does not divide the 8 devices" in e["indivisible"]
+    assert "mesh.fsdp = 4" in e["fsdp_not_all"] and "data,fsdp" in e["fsdp_not_all"]
+    assert "mode 'full'" in e["full"] and "mesh.axes = 'data'" in e["full"]
