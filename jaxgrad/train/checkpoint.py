@@ -101,7 +101,8 @@ def _path_key(entry) -> str:
 
 def tree_mismatch(item_dir: pathlib.Path, abstract: Any) -> str | None:
     """The first difference (one line) between the pytree orbax saved in ``item_dir`` (its JSON ``_METADATA``:
-    leaf paths and shapes) and ``abstract``; ``None`` if they agree or the metadata cannot be read."""
+    leaf paths and written shapes, a shard's for an array split over devices) and ``abstract``; ``None`` if they
+    agree or the metadata cannot be read. A shard shape that does not match is left to orbax's restore."""
     import jax
 
     try:
@@ -118,9 +119,15 @@ def tree_mismatch(item_dir: pathlib.Path, abstract: Any) -> str | None:
             return f"{name} is not in the checkpoint"
         if key not in want:
             return f"the checkpoint has {name}, which this configuration does not"
-        if saved[key] != want[key]:
+        if not _fits(saved[key], want[key]):
             return f"{name} has shape {list(saved[key])} in the checkpoint, {list(want[key])} here"
     return None
+
+
+def _fits(written, shape) -> bool:
+    """Whether an array of global ``shape`` can have been written in pieces of ``written`` (orbax records the
+    shape each process wrote: the whole array, or a shard of one split over devices)."""
+    return len(written) == len(shape) and all(0 < w <= s and s % w == 0 for w, s in zip(written, shape))
 
 
 class Checkpointer:
