@@ -7,6 +7,13 @@ optimiser state), prints it, builds the task and checks the run can start, then 
 (``run.json``, ``config.toml``: only once the run starts, so a refused run leaves nothing to ``--overwrite``),
 trains with :func:`jaxgrad.train.fit` and writes ``summary.json``.
 
+Layout (``[mesh]``, every family): ``axes = "data" | "fsdp" | "data,fsdp"``, ``fsdp`` (the devices per fsdp group
+with ``"data,fsdp"``) and ``shard_trainable`` (the adapters and the optimiser state sharded too);
+``train.devices`` is how many devices in all. ``"data"`` without ``shard_trainable`` is the plain data parallel
+path; the others need the family's ``sharding`` module (``jaxgrad.<family>.sharding.cli_task``: LoRA / QLoRA) and
+are refused by name for a family without one. Several processes: :mod:`jaxgrad.train.distributed` starts JAX's
+distributed runtime from the environment before anything touches a device.
+
 Errors a user can fix -- :class:`~jaxgrad.train.errors.ConfigError` and its
 :class:`~jaxgrad.train.errors.DataError`, a run directory that may not be used, a checkpoint that does not fit or
 does not verify -- print one line and exit with status 2; a run that failed (non-finite loss, a checkpoint that
@@ -15,6 +22,7 @@ could not be written) exits with status 1. Anything else is a bug (ours or a lib
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 import shutil
@@ -27,11 +35,15 @@ from jaxgrad.train.checkpoint import (CheckpointMismatchError, CheckpointSaveErr
 from jaxgrad.train.config import DEFAULT_LR
 from jaxgrad.train.errors import ConfigError
 from jaxgrad.train.families import family_module
+from jaxgrad.train.mesh import LAYOUTS
 from jaxgrad.train.metrics import CSV_FILE, METRICS_FILE, TB_DIR
 from jaxgrad.train.plot import LOSS_PLOT
 
 CONFIG_FILE = "config.toml"
 SUMMARY_FILE = "summary.json"
+#: ``[mesh]``: the devices' layout (:mod:`jaxgrad.train.mesh`); may change on ``--resume`` (a checkpoint restores
+#: onto any layout and device count)
+MESH_SCHEMA = {"axes": ("str", "data", LAYOUTS), "fsdp": ("int?", None), "shard_trainable": ("bool", False)}
 
 
 def owner_of(family: str) -> str:
@@ -43,7 +55,7 @@ def schema_of(fam) -> dict:
     for k, v in fam.CLI_TRAIN_DEFAULTS.items():
         if k != "lr":  # the learning rate's default depends on the optimizer: fill_defaults
             train[k] = (train[k][0], v) + tuple(train[k][2:])
-    return {"train": train, **fam.CLI_SCHEMA}
+    return {"train": train, "mesh": dict(MESH_SCHEMA), **fam.CLI_SCHEMA}
 
 
 def fill_defaults(fam, cfg: dict) -> dict:
@@ -55,6 +67,30 @@ def fill_defaults(fam, cfg: dict) -> dict:
     return cfg
 
 
+def layout_of(family: str, cfg: dict, devices: int | None, say):
+    """``(mesh, cli_task)`` of the ``[mesh]`` settings: ``(None, None)`` for the plain data parallel path (axes
+    ``"data"``, nothing sharded), else the ``("data", "fsdp")`` mesh and the family's sharded ``cli_task``."""
+    from jaxgrad.train.mesh import train_mesh
+
+    m = cfg["mesh"]
+    mesh = train_mesh(m["axes"], devices, m["fsdp"])  # refuses bad values by name
+    if m["axes"] == "data" and not m["shard_trainable"]:
+        return None, None
+    if m["axes"] == "data":
+        raise ConfigError("mesh.shard_trainable = true shards over the 'fsdp' axis, which mesh.axes = 'data' does "
+                          "not have; use mesh.axes = 'fsdp' or 'data,fsdp'")
+    package = family_module(family).__name__.rsplit(".", 1)[0]
+    try:
+        sharding = importlib.import_module(f"{package}.sharding")
+    except ModuleNotFoundError:
+        raise ConfigError(f"mesh.axes = {m['axes']!r}: family {family!r} has no sharded layout (only the LoRA "
+                          f"family shards its frozen base); use mesh.axes = 'data'") from None
+
+    def cli_task(cfg, out, say):
+        return sharding.cli_task(cfg, out, say, mesh, m["shard_trainable"])
+    return mesh, cli_task
+
+
 def peak_device_memory() -> int | None:
     """The peak bytes in use on this process's first device since it started (``memory_stats()``'s
     ``peak_bytes_in_use``: GPUs report it), or ``None`` where the backend reports none (the CPU)."""
@@ -63,6 +99,14 @@ def peak_device_memory() -> int | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return None if peak is None else int(peak)
+
+
+def peak_memory_per_device() -> list | None:
+    """``peak_bytes_in_use`` of each of this process's devices (``None`` where the backend reports none)."""
+    import jax
+
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    return None if all(p is None for p in peaks) else [None if p is None else int(p) for p in peaks]
 
 
 def owned_entries(fam) -> tuple[str, ...]:
@@ -165,6 +209,9 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
     owned: tuple[str, ...] = ()
     resuming = resume
     try:
+        from jaxgrad.train import distributed
+
+        distributed.initialize()  # several processes (the environment says so): before any device is touched
         check_out_path(out)
         cfg, resuming, set_keys, notes = resolve_for_run(family, config, sets, out, resume, overwrite)
         fam = family_module(family)
@@ -186,8 +233,14 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
                 out.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise rundir.RunDirError(f"--out {out}: cannot create the directory ({err.strerror})") from None
-        task, finish = fam.cli_task(cfg, out, lambda m: print(m, flush=True))
+        mesh, sharded_task = layout_of(family, cfg, tcfg.devices, print)
+        plan = None
+        if sharded_task is None:
+            task, finish = fam.cli_task(cfg, out, lambda m: print(m, flush=True))
+        else:
+            task, finish, plan = sharded_task(cfg, out, lambda m: print(m, flush=True))
         from jaxgrad.train.loop import fit, log_end
+        from jaxgrad.train.mesh import bytes_per_device
 
         def on_start():
             nonlocal started
@@ -197,7 +250,7 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
 
         t0 = time.perf_counter()
         res = fit(task, tcfg, out, resuming=resuming, use_bar=progress and sys.stdout.isatty(),
-                  argv=sys.argv[1:], on_start=on_start)
+                  argv=sys.argv[1:], on_start=on_start, mesh=mesh, plan=plan)
         extra = finish(res)
         thr = {k: v for k, v in res.throughput.items() if k != "unit"}
         rate = f"{res.throughput.get('unit', 'items')}_per_s"
@@ -206,7 +259,11 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
         peak = peak_device_memory()
         summary = {"family": family, "step": res.step, "final_loss": res.final_loss, "skipped_steps": res.skipped,
                    **thr, "wall_s_this_process": time.perf_counter() - t0, "device": str(jax.devices()[0]),
-                   "peak_device_memory_bytes": peak, "config": cfg, **extra}
+                   "peak_device_memory_bytes": peak, "peak_device_memory_bytes_per_device": peak_memory_per_device(),
+                   "mesh": ({"data": len(jax.devices()) if tcfg.devices is None else tcfg.devices} if mesh is None
+                            else {str(k): int(v) for k, v in dict(mesh.shape).items()}),
+                   "processes": jax.process_count(), "state_bytes_per_device": bytes_per_device(res.state),
+                   "config": cfg, **extra}
         write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=1, default=str) + "\n")
         log_end(out, res, skipped_steps=res.skipped)
         plot_txt = _plot_loss(out)
