@@ -1,6 +1,8 @@
 """The engine on a mesh of 8 (fake CPU) devices gives the single-device gradients and optimizer step (float64,
 1e-14 relative: only the order of the cross-device sum differs), for the KAN, the CNN and the LoRA model on packed
 rows of a data file, custom VJPs and Pallas kernels (interpret mode) included; a batch that does not divide over the mesh is a clear error.
+``jaxgrad train lora`` runs on a ``data`` x ``fsdp`` mesh (``[mesh]``) and resumes on another layout; a family without
+a sharded layout is refused before its run starts.
 
 The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
 
@@ -110,3 +112,46 @@ def test_eight_fake_devices_match_one_device():
             assert r[key] <= 1e-14, (name, key, r)
     msg = report["indivisible"]
     assert msg is not None and "batch size 12" in msg and "8 devices" in msg, msg
+
+
+_CLI_CHILD = r"""
+import sys
+from jaxgrad.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+_TINY = ["--set", "model.mode=lora", "--set", "model.hidden_size=32", "--set", "model.num_hidden_layers=2",
+         "--set", "model.num_attention_heads=4", "--set", "model.num_key_value_heads=2",
+         "--set", "model.intermediate_size=64", "--set", "model.seq_len=16", "--set", "data.n_bytes=4096",
+         "--no-progress"]
+
+
+def _cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+    return subprocess.run([sys.executable, "-c", _CLI_CHILD, "train", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+
+
+def test_jaxgrad_train_lora_on_a_data_by_fsdp_mesh_resumes_on_another_layout(tmp_path):
+    out = tmp_path / "run"
+    first = _cli("lora", "--out", str(out), "--set", "train.steps=2", "--set", "mesh.axes=data,fsdp",
+                 "--set", "mesh.fsdp=2", *_TINY)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "fsdp 2: frozen base" in first.stdout and "data 2 x fsdp 2" in first.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 2, "fsdp": 2} and summary["state_bytes_per_device"] > 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    again = _cli("lora", "--out", str(out), "--resume", "--set", "train.steps=3", "--set", "mesh.axes=fsdp",
+                 "--set", "mesh.fsdp=none", "--no-progress")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "mesh.axes: 'data,fsdp' -> 'fsdp'" in again.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 1, "fsdp": 4} and summary["step"] == 3
+
+
+def test_a_family_without_a_sharded_layout_is_refused_before_the_run_starts(tmp_path):
+    out = tmp_path / "kan"
+    proc = _cli("kan", "--out", str(out), "--set", "mesh.axes=fsdp", "--no-progress")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "mesh.axes = 'fsdp': family 'kan' has no sharded layout" in proc.stderr
+    assert not out.exists()
