@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxgrad.lora.config import BLOCK_RECOMPUTE, LlamaConfig, LoraConfig
+from jaxgrad.lora.hf import quantize_projections
 from jaxgrad.lora.model import causal_lm_loss_fused, init, init_lora
 
 CFG = LlamaConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -17,9 +18,11 @@ CFG = LlamaConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, 
 LCFG = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
 
 
-def _step(recompute, dtype, seq):
+def _step(recompute, dtype, seq, nf4=False):
     cfg = dataclasses.replace(CFG, block_recompute=recompute)
     params = jax.tree.map(lambda a: a.astype(dtype), init(jax.random.key(0), CFG))
+    if nf4:
+        params = quantize_projections(params, blocksize=64, double_quant=True)
     lora = jax.tree.map(lambda a: a.astype(dtype), init_lora(jax.random.key(1), CFG, LCFG))
     ids = jax.random.randint(jax.random.key(2), (2, seq), 0, CFG.vocab_size)
     fn = jax.jit(jax.value_and_grad(lambda lo, p, ids: causal_lm_loss_fused(p, lo, ids, ids, 2 * (seq - 1), cfg,
@@ -48,6 +51,20 @@ def test_recomputing_for_real_holds_less_temporary_memory_in_a_training_step():
         temp[recompute] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert temp["all"] < temp["mlp"] < temp["shared"], temp
     assert temp["mlp"] < 0.8 * temp["shared"], temp
+
+
+def test_qlora_recomputes_the_dequantised_weights_too():
+    """NF4 projections (bf16, double quantisation): the barrier also holds the weights, so their dequantised copies
+    are made again in the backward instead of living from the forward; measured on the CPU (2 x 64 tokens): shared
+    3.5, mlp 2.2, all 1.3 MiB of temporaries. Same loss for every choice."""
+    temp, loss = {}, {}
+    for recompute in BLOCK_RECOMPUTE:
+        fn, args = _step(recompute, jnp.bfloat16, 64, nf4=True)
+        compiled = fn.lower(*args).compile()
+        temp[recompute] = compiled.memory_analysis().temp_size_in_bytes
+        loss[recompute] = float(compiled(*args)[0])
+    assert temp["all"] < temp["mlp"] < temp["shared"], temp
+    assert loss["mlp"] == loss["all"] == loss["shared"], loss
 
 
 def test_a_bad_choice_is_named():

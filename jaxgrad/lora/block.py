@@ -419,13 +419,14 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     b, t, _ = x.shape
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     s = 0.0 if lcfg is None else lcfg.scale
-    projs, us = _projections(lcfg, params, lora, dropout_key, kern, dt)
     # the MLP half first (x2 saved). By default XLA shares it with the forward's identical computation (free, but
-    # the forward's gate / up / SwiGLU activations stay alive until here); recompute_mlp: the barrier makes its input
-    # depend on dy, so it is recomputed for real, only now
+    # the forward's gate / up / SwiGLU activations, and NF4 weights' dequantised copies, stay alive until here);
+    # recompute_mlp: the barrier makes its input and its weights depend on dy, so it is recomputed for real, only now
     x2_mlp = x2
     if kern.recompute_mlp:
-        x2_mlp, dy = jax.lax.optimization_barrier((x2, dy))
+        x2_mlp, mlp_params, dy = jax.lax.optimization_barrier((x2, params["mlp"], dy))
+        params = {**params, "mlp": mlp_params}
+    projs, us = _projections(lcfg, params, lora, dropout_key, kern, dt)
     act = _recompute_mlp(cfg, params, x2_mlp, r2, projs, kern)
     act["us"] = us
     grads = {}
@@ -476,7 +477,9 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     # backward. low_memory: the barrier makes its input depend on dx2, so it is recomputed for real, only now
     x_late = x
     if kern.low_memory:
-        x_late, dx2 = jax.lax.optimization_barrier((x, dx2))
+        x_late, attn_params, dx2 = jax.lax.optimization_barrier((x, params["self_attn"], dx2))
+        params = {**params, "self_attn": attn_params}
+        projs, act["us"] = _projections(lcfg, params, lora, dropout_key, kern, dt)
     act.update(_recompute_attention(cfg, attn, params, x_late, positions, attention_mask, r1, lse, projs, kern,
                                     segment_ids))
     # residual 1: x2 = x + o_proj(attn)
