@@ -102,3 +102,50 @@ def test_the_environment_names_the_processes():
         settings_from_env({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"})
     with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES must be an integer"):
         settings_from_env({"JAX_NUM_PROCESSES": "two"})
+
+
+_CLI = r"""
+import sys
+from jaxgrad.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+_TINY = ["--set", "model.mode=lora", "--set", "model.hidden_size=32", "--set", "model.num_hidden_layers=2",
+         "--set", "model.num_attention_heads=4", "--set", "model.num_key_value_heads=2",
+         "--set", "model.intermediate_size=64", "--set", "model.seq_len=16", "--set", "data.n_bytes=4096",
+         "--set", "model.dtype=float64", "--set", "train.steps=3", "--set", "train.checkpoint_every=2",
+         "--set", "mesh.axes=fsdp", "--no-progress"]
+
+
+def _adapter(out):
+    from safetensors.numpy import load_file
+
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow  # three runs of jaxgrad train (~60 s on the 2-core CPU)
+def test_jaxgrad_train_in_two_processes_equals_one_process(tmp_path):
+    """``jaxgrad train lora`` launched twice with the environment of a 2-process job (one run directory on a shared
+    file system: process 0 writes the logs, both write their checkpoint shards) trains as one process of 8 devices."""
+    port = _free_port()
+    two, one = tmp_path / "two", tmp_path / "one"
+    procs = [subprocess.Popen([sys.executable, "-c", _CLI, "train", "lora", "--out", str(two), *_TINY], cwd=ROOT,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+    single = subprocess.run([sys.executable, "-c", _CLI, "train", "lora", "--out", str(one), *_TINY], cwd=ROOT,
+                            text=True, capture_output=True, timeout=300, env=_env(8))
+    assert single.returncode == 0, single.stdout[-2000:] + single.stderr[-4000:]
+    s2, s1 = (json.loads((d / "summary.json").read_text()) for d in (two, one))
+    assert s2["processes"] == 2 and s1["processes"] == 1 and s2["mesh"] == s1["mesh"] == {"data": 1, "fsdp": 8}
+    assert abs(s2["final_loss"] - s1["final_loss"]) <= 1e-12 * abs(s1["final_loss"])
+    a2, a1 = _adapter(two), _adapter(one)
+    assert sorted(a2) == sorted(a1) and a1
+    for name in a1:
+        scale = max(float(abs(a1[name]).max()), 1e-300)
+        assert float(abs(a2[name] - a1[name]).max()) <= 1e-12 * scale, name
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["2", "3"]
+    assert all((two / "checkpoints" / s / "jaxgrad-checksums.json").is_file() for s in ("2", "3"))

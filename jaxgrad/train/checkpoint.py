@@ -15,6 +15,10 @@ The checksum file is the commit mark:
   complete directory; partial ones are removed when the directory is next opened).
 
 Nothing is unpickled: orbax stores arrays in OCDBT/zarr and metadata as JSON; ``meta`` and the checksums are JSON.
+
+Several processes (:mod:`jaxgrad.train.distributed`; the directory on a file system they share): every process
+saves and restores (each writes and reads its own shards; orbax finalises on process 0); process 0 writes the
+checksum file, and a barrier holds the others until it has.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
+
+from jaxgrad.train.distributed import barrier
 
 
 CHECKSUM_FILE = "jaxgrad-checksums.json"
@@ -100,16 +106,19 @@ def _path_key(entry) -> str:
 
 
 def tree_mismatch(item_dir: pathlib.Path, abstract: Any) -> str | None:
-    """The first difference (one line) between the pytree orbax saved in ``item_dir`` (its JSON ``_METADATA``:
-    leaf paths and written shapes, a shard's for an array split over devices) and ``abstract``; ``None`` if they
-    agree or the metadata cannot be read. A shard shape that does not match is left to orbax's restore."""
+    """The first difference (one line) between the pytree orbax saved in ``item_dir`` (its metadata: each leaf's
+    path and whole-array shape, whatever the devices it was written from) and ``abstract``; ``None`` if they agree
+    or the metadata cannot be read."""
     import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
 
     try:
-        tree = json.loads((item_dir / "_METADATA").read_text())["tree_metadata"]
-        saved = {tuple(k["key"] for k in v["key_metadata"]): tuple(v["value_metadata"]["write_shape"])
-                 for v in tree.values() if "write_shape" in v["value_metadata"]}  # not: empty nodes (EmptyState)
-    except (OSError, ValueError, KeyError, TypeError):
+        meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
+        tree = getattr(meta, "tree", meta)
+        saved = {tuple(_path_key(e) for e in path): tuple(leaf.shape)
+                 for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
+    except Exception:  # noqa: BLE001 - unreadable metadata: orbax's restore reports what does not fit
         return None
     want = {tuple(_path_key(e) for e in path): tuple(leaf.shape)
             for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
@@ -119,15 +128,15 @@ def tree_mismatch(item_dir: pathlib.Path, abstract: Any) -> str | None:
             return f"{name} is not in the checkpoint"
         if key not in want:
             return f"the checkpoint has {name}, which this configuration does not"
-        if not _fits(saved[key], want[key]):
+        if saved[key] != want[key]:
             return f"{name} has shape {list(saved[key])} in the checkpoint, {list(want[key])} here"
     return None
 
 
-def _fits(written, shape) -> bool:
-    """Whether an array of global ``shape`` can have been written in pieces of ``written`` (orbax records the
-    shape each process wrote: the whole array, or a shard of one split over devices)."""
-    return len(written) == len(shape) and all(0 < w <= s and s % w == 0 for w, s in zip(written, shape))
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 class Checkpointer:
@@ -157,8 +166,10 @@ class Checkpointer:
                                                           meta=ocp.args.JsonSave(meta)), force=True)
             self._mngr.wait_until_finished()
             step_dir = self.directory / str(step)
-            write_atomic(step_dir / CHECKSUM_FILE,
-                         json.dumps({"step": step, "files": _file_digests(step_dir)}, indent=0) + "\n")
+            if _process_index() == 0:  # several processes: each wrote its shards, orbax finalised on process 0
+                write_atomic(step_dir / CHECKSUM_FILE,
+                             json.dumps({"step": step, "files": _file_digests(step_dir)}, indent=0) + "\n")
+            barrier(f"jaxgrad-checkpoint-{step}")  # no process goes on before the commit mark is written
         except Exception as err:  # noqa: BLE001 - any failure: report it with the state of the directory
             with contextlib.suppress(Exception):
                 self._mngr.reload()

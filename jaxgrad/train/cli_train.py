@@ -208,12 +208,18 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
     before: set[str] | None = None
     owned: tuple[str, ...] = ()
     resuming = resume
+    primary = True
     try:
         from jaxgrad.train import distributed
 
-        distributed.initialize()  # several processes (the environment says so): before any device is touched
+        # several processes (the environment says so): before any device is touched. Each process checks the run
+        # directory (read-only) before any of them writes to it; process 0 writes the run's files
+        multi = distributed.initialize()
+        primary = distributed.is_primary()
         check_out_path(out)
         cfg, resuming, set_keys, notes = resolve_for_run(family, config, sets, out, resume, overwrite)
+        if multi:
+            distributed.barrier("jaxgrad-train-resolved")
         fam = family_module(family)
         owned = owned_entries(fam)
         tcfg = toml_config.train_config(cfg)
@@ -226,7 +232,7 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
         if fam.needs_x64(cfg) or "float64" in (tcfg.param_dtype, tcfg.compute_dtype):
             jax.config.update("jax_enable_x64", True)
         if not resuming:
-            if overwrite:
+            if overwrite and primary:
                 rundir.clear_owned(out, owned)
             before = {p.name for p in out.iterdir()} if out.is_dir() else None
             try:
@@ -244,13 +250,18 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
 
         def on_start():
             nonlocal started
-            rundir.write_run_file(out, owner_of(family), cfg, set_keys=set_keys)
-            write_atomic(out / CONFIG_FILE, toml_config.to_toml(cfg))
+            if primary:
+                rundir.write_run_file(out, owner_of(family), cfg, set_keys=set_keys)
+                write_atomic(out / CONFIG_FILE, toml_config.to_toml(cfg))
             started = True
 
         t0 = time.perf_counter()
         res = fit(task, tcfg, out, resuming=resuming, use_bar=progress and sys.stdout.isatty(),
                   argv=sys.argv[1:], on_start=on_start, mesh=mesh, plan=plan)
+        if not primary:  # process 0 writes the model or adapter (a sharded finish gathers with every process)
+            if plan is not None:
+                finish(res)
+            return 0
         extra = finish(res)
         thr = {k: v for k, v in res.throughput.items() if k != "unit"}
         rate = f"{res.throughput.get('unit', 'items')}_per_s"
@@ -277,7 +288,7 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
               f"{rate_txt}{mem_txt}; wrote {out / SUMMARY_FILE}{plot_txt}", flush=True)
         return 0
     except (ConfigError, rundir.RunDirError, CheckpointMismatchError, NoGoodCheckpointError) as err:
-        if not started and not resuming and owned:
+        if not started and not resuming and owned and primary:
             _remove_new_entries(out, owned, before)
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
@@ -285,6 +296,6 @@ def run(family: str, config: str | None, sets: list[str], out: str, *, resume: b
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     except BaseException:
-        if not started and not resuming and owned:
+        if not started and not resuming and owned and primary:
             _remove_new_entries(out, owned, before)
         raise

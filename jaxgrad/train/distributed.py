@@ -96,3 +96,13 @@ def is_primary() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process has reached the barrier ``name`` (no-op for one process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

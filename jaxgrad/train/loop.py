@@ -54,6 +54,21 @@ from jaxgrad.train.task import Task
 CKPT_DIR = "checkpoints"
 
 
+class _NoMetrics:
+    """The metrics log of a process other than process 0 of a multi-process run (process 0 writes the run's)."""
+
+    def event(self, rec: dict) -> None:
+        pass
+
+    step = event
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class TrainingDiverged(FloatingPointError):
     """A non-finite loss or gradient under ``nan_policy="stop"``, or ``max_consecutive_skips`` skipped steps in a
     row (or none applied) under ``nan_policy="skip"``; the message names the steps."""
@@ -276,6 +291,7 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
     mesh, steps = build(task, cfg, mesh, max_traces, plan)
     nb, k, total = task.batches_per_epoch, cfg.accumulate, cfg.steps
     _lbfgs_check(task, cfg)
+    primary = jax.process_index() == 0  # several processes: all train and checkpoint, process 0 writes the logs
     ckpt = Checkpointer(out / CKPT_DIR, cfg.keep)
     metrics = None
     source = None
@@ -283,7 +299,7 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
     unit = task.throughput_unit
     try:
         restored = ckpt.restore_latest_good(lambda meta: abstract_state(task, cfg, steps, int(meta["step"]), mesh),
-                                            echo) if resuming else None
+                                            echo, quarantine=primary) if resuming else None
         notes, resume_info = [], {}
         if restored is not None:
             state, meta = restored
@@ -316,7 +332,7 @@ def fit(task: Task, cfg: TrainConfig, out: pathlib.Path, *, resuming: bool = Fal
             on_start()
         for n in notes:
             echo(n)
-        metrics = MetricsLog(out)
+        metrics = MetricsLog(out) if primary else _NoMetrics()
         wall0 = time.perf_counter()
         metrics.event({"event": "resume" if resuming else "start", "step": step, "time": time.time(),
                        "total_steps": total, "batches_per_epoch": nb, "argv": list(sys.argv[1:] if argv is None
