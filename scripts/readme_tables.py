@@ -26,6 +26,10 @@ Tables (``TABLES``):
   PyTorch peer of the same run, the two peak memories where each variant ran in a fresh process, and the file.
 * ``detection``: the latest ``verify-detection-*.json`` (``python -m jaxgrad.bench verify_detection_limits``): the smallest
   planted scale error caught in all trials, per op, leaf size and precision.
+* ``real-size``: the latest ``llama_real`` result (``python -m jaxgrad.bench llama_real``) of each model and base
+  precision (Llama-3.2-1B, Llama-3.1-8B bf16, Llama-3.1-8B NF4): tokens/s of one LoRA training step, model TFLOP/s
+  (NeMo's accounting, ``4 P N``), peak memory and peak minus the frozen weights, and the ratios to the same run's
+  transformers + PEFT and transformers + PEFT + Liger rows.
 * ``kan-fit``: the latest KAN fit result (``scripts/kan_fit.py``, recognised by its content): train / test RMSE per
   grid, ours and pykan's.
 
@@ -65,8 +69,6 @@ HEADLINE = (
     ("KAN layer (`kan_linear`), fwd + bwd", "kan", "H100", "f32", "default"),
     ("CNN denoiser, fwd + bwd", "cnn", "H100", "f32", "default"),
     ("CNN denoiser, fwd + bwd", "cnn", "H100", "bf16", "default"),
-    ("LoRA Llama decoder block, fwd + bwd", "lora", "H100", "bf16", "default"),
-    ("LoRA 4-layer Llama, training step", "lora_model", "H100", "bf16", "default"),
 )
 # The detection sweep's ops (jaxgrad.verify.calibration) and the leaf that carries the planted error.
 DETECTION_OPS = {"dense": "dense (W)", "conv_relu": "conv3x3+ReLU (x)", "attention": "softmax attention (q)",
@@ -514,11 +516,66 @@ def table_kan_fit(results: pathlib.Path) -> list[str]:
     return lines + _table(["G", "ours: train / test RMSE", "pykan: train / test RMSE"], body)
 
 
+# ------------------------------------------------------------------------------------------------ real sizes
+REAL_SIZE_FILES = (("Llama-3.2-1B LoRA", "llama_real_1b-*.json"), ("Llama-3.1-8B LoRA", "llama_real_8b-*.json"),
+                   ("Llama-3.1-8B QLoRA", "llama_real_8b_qlora-*.json"))
+PEFT, LIGER = "transformers+PEFT", "transformers+PEFT+Liger"
+
+
+def _is_real_size(data) -> bool:
+    env = data.get("environment", {}) if isinstance(data, dict) else {}
+    spec = env.get("llama_real", {}).get("spec", {})
+    return bool(spec) and not spec.get("tiny") and spec.get("layers") == spec.get("full_layers") \
+        and "variants" in env["llama_real"]
+
+
+def table_real_size(results: pathlib.Path) -> list[str]:
+    """One row per variant of the latest full-depth ``llama_real`` file of each model; ratios to the same run's
+    peers (speed: their step time over ours; memory: our peak over theirs, and our peak minus the frozen weights over
+    theirs)."""
+    body, files = [], []
+    for what, pattern in REAL_SIZE_FILES:
+        found = _latest_json(results, pattern, _is_real_size)
+        if found is None:
+            body.append([what, "no result"] + ["-"] * 6)
+            continue
+        path, data = found
+        env = data["environment"]
+        spec, variants = env["llama_real"]["spec"], env["llama_real"]["variants"]
+        files.append(f"[{what}]({_rel(path)})")
+        peers = {name: variants.get(name) for name in (PEFT, LIGER)}
+        gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+        for name, m in variants.items():
+            if m.get("status") != "measured" or name == "jax.grad":
+                continue
+            ratios = []
+            for peer in peers.values():
+                ok = peer and peer.get("status") == "measured" and peer is not m
+                ratios.append(f"{m['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if ok else "-")
+            peft = peers[PEFT]
+            mem = (f"{m['peak_bytes'] / peft['peak_bytes']:.2f}x / "
+                   f"{m['peak_minus_frozen_bytes'] / peft['peak_minus_frozen_bytes']:.2f}x"
+                   if peft and peft.get("status") == "measured" and peft is not m else "-")
+            label = f"**{name}**" if name == "jaxgrad" else name
+            body.append([what, label + ("" if m.get("batch", spec["batch"]) == spec["batch"] else
+                                        f" (batch {m['batch']})"),
+                         f"{m['tokens_per_s']:,.0f}", f"{m['model_tflops_nemo']:.0f}",
+                         f"{gib(m['peak_bytes'])} ({gib(m['peak_minus_frozen_bytes'])})", *ratios, mem])
+    head = ("One LoRA training step (forward, backward, AdamW on the adapters; r = 16 on all 7 projections, fp32 "
+            "adapters, bf16 activations) at micro-batch 2 x seq 4096, random weights at the real shapes, on one H100, "
+            "each row in a fresh process, the peers in the same run. Model TFLOP/s as NeMo counts them (4 x base "
+            "parameters x tokens, attention not counted). Peak: the device's high-water mark, weights included; in "
+            "brackets without the frozen weights. `recompute=` and `checkpointing=` trade time for memory "
+            "(docs/lora.md). Files: " + ", ".join(files) + ".")
+    return [head, ""] + _table(["model", "variant", "tokens/s", "model TFLOP/s", "peak GiB (minus frozen)",
+                                "vs PEFT", "vs PEFT + Liger", "memory vs PEFT: peak / minus frozen"], body)
+
+
 # A marker's name is a table, optionally with one argument after a dot: ``bench.kan`` is the bench table of the kan
 # suite alone.
 TABLES: dict[str, Callable[..., list[str]]] = {
     "bench": table_bench, "bench-full": table_bench_full, "detection": table_detection, "kan-fit": table_kan_fit,
-    "headline": table_headline}
+    "headline": table_headline, "real-size": table_real_size}
 
 
 # ------------------------------------------------------------------------------------------------ files

@@ -68,6 +68,13 @@ def test_settings_the_data_would_ignore_are_refused():
         LoraFit(mode="full", adapter_dtype="float32")
     with pytest.raises(ConfigError, match="'gradient_checkpointing' must be one of"):
         LoraFit(gradient_checkpointing="sometimes")
+    with pytest.raises(ConfigError, match=r"'block_recompute' must be one of \('shared', 'mlp', 'all'\)"):
+        LoraFit(block_recompute="most")
+
+
+def test_block_recompute_reaches_the_model_config():
+    assert LoraFit(block_recompute="all").llama_config().block_recompute == "all"
+    assert LoraFit().llama_config().block_recompute == "shared"
 
 
 def test_a_scratch_model_takes_the_small_defaults():

@@ -277,3 +277,23 @@ def test_short_device_names():
     assert rt._short_device("NVIDIA H100 80GB HBM3") == "H100"
     assert rt._short_device("NVIDIA H200") == "H200"
     assert rt._short_device("cpu") == "cpu"
+
+
+def test_the_real_size_table_reads_each_models_latest_full_depth_run(tmp_path):
+    """Rows come from the llama_real files' own metrics; the ratios are the same run's peers; a model without a full-
+    depth file reads "no result"; a tiny or shortened run is never shown."""
+    src = sorted(ROOT.glob("benchmarks/results/llama_real_8b-*.json"))[-1]
+    data = json.loads(src.read_text())
+    (tmp_path / src.name).write_text(json.dumps(data))
+    short = json.loads(src.read_text())
+    short["environment"]["llama_real"]["spec"]["layers"] = 2
+    short["environment"]["datetime_utc"] = "2099-01-01T00:00:00+00:00"
+    (tmp_path / ("llama_real_8b-later" + src.name[len("llama_real_8b"):])).write_text(json.dumps(short))
+    lines = rt.table_real_size(tmp_path)
+    v = data["environment"]["llama_real"]["variants"]
+    ours = next(line for line in lines if "| **jaxgrad** |" in line and "8B LoRA" in line)
+    assert f"{v['jaxgrad']['tokens_per_s']:,.0f}" in ours
+    ratio = v["jaxgrad"]["tokens_per_s"] / v["transformers+PEFT"]["tokens_per_s"]
+    assert f"| {ratio:.2f}x |" in ours
+    assert any("Llama-3.2-1B LoRA | no result" in line for line in lines)
+    assert src.name in lines[0] and "later" not in lines[0]

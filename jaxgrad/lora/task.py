@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.lora.config import CHECKPOINT_POLICIES, LlamaConfig
+from jaxgrad.lora.config import BLOCK_RECOMPUTE, CHECKPOINT_POLICIES, LlamaConfig
 from jaxgrad.lora.model import apply, causal_lm_loss, count_items, head_weight, hidden_states, init, init_lora
 from jaxgrad.lora.stdlib_data import stdlib_files
 from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, FILE_FORMATS, LOSSES,
@@ -316,7 +316,7 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
                 describe=f"Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
                          f"{cfg.num_key_value_heads} heads, inter {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
                          f"{fit.dtype}, base {what}{source}{adapters}; path: "
-                         f"{path.describe(fit.gradient_checkpointing)}, loss {_loss_text(fit)}; data: {data.describe}")
+                         f"{path.describe(fit.gradient_checkpointing, fit.block_recompute)}, loss {_loss_text(fit)}; data: {data.describe}")
 
 
 def _loss_text(fit: LoraFit) -> str:
@@ -346,6 +346,7 @@ CLI_SCHEMA = {
               "nf4_blocksize": ("int", 64), "double_quant": ("bool", False),
               "backend": ("str", "auto", BACKENDS), "attention": ("str", "auto", ATTENTIONS),
               "gradient_checkpointing": ("str", "none", CHECKPOINT_POLICIES),
+              "block_recompute": ("str", "shared", BLOCK_RECOMPUTE),
               "loss": ("str", "fused", LOSSES), "loss_chunk_tokens": ("int", 1024)},
     "data": {"path": ("str?", None), "format": ("str?", None, DATA_FORMATS), "eval_path": ("str?", None),
              "packing": ("bool", True), "completion_only": ("bool", True), "assistant_only": ("bool", True),
@@ -356,7 +357,7 @@ CLI_SCHEMA = {
 }
 CLI_TRAIN_DEFAULTS = {"optimizer": "adam", "lr": 3e-3, "steps": 200, "log_every": 10, "checkpoint_every": 100}
 #: keys that may change on --resume: the code path, not the model, the data or the optimiser state
-CLI_RESUMABLE = ("backend", "attention", "gradient_checkpointing", "loss", "loss_chunk_tokens")
+CLI_RESUMABLE = ("backend", "attention", "gradient_checkpointing", "block_recompute", "loss", "loss_chunk_tokens")
 CLI_FIXED = {"model": tuple(k for k in CLI_SCHEMA["model"] if k not in CLI_RESUMABLE), "data": "*"}
 CLI_OUTPUTS = ("model", "adapter")
 
@@ -376,7 +377,7 @@ def fit_from_config(cfg: dict) -> LoraFit:
                    tm[0] if len(tm) == 1 and tm[0] == "all-linear" else tuple(tm),
                    use_rslora=m["use_rslora"], nf4_blocksize=m["nf4_blocksize"], double_quant=m["double_quant"],
                    backend=m["backend"], attention=m["attention"], gradient_checkpointing=m["gradient_checkpointing"],
-                   loss=m["loss"], loss_chunk_tokens=m["loss_chunk_tokens"],
+                   block_recompute=m["block_recompute"], loss=m["loss"], loss_chunk_tokens=m["loss_chunk_tokens"],
                    data_path=d["path"], data_format=d["format"], eval_path=d["eval_path"], packing=d["packing"],
                    completion_only=d["completion_only"], assistant_only=d["assistant_only"],
                    overlong=d["overlong"], pattern=d["pattern"], file_format=d["file_format"],

@@ -16,7 +16,9 @@ device: ``docs/design.md``). ``attention``: ``"xla"``, ``"cudnn"`` (GPU, 16-bit)
 or ``"auto"``: ``"cudnn"`` on a GPU with 16-bit activations, else ``"xla"``. Mode ``"full"`` and
 ``train.grad_path = "reference"`` differentiate the plain reference block with ``jax.grad`` (``backend`` is then
 ``"reference"``; the attention choice still applies). ``gradient_checkpointing`` is the ``jax.checkpoint`` policy
-of every block (:data:`jaxgrad.lora.config.CHECKPOINT_POLICIES`). ``loss``: ``"fused"`` (default) computes the LM
+of every block (:data:`jaxgrad.lora.config.CHECKPOINT_POLICIES`); ``block_recompute`` (``"shared"`` default,
+``"mlp"``, ``"all"``: :data:`jaxgrad.lora.config.BLOCK_RECOMPUTE`) what the block VJP's backward recomputes for real
+instead of keeping the forward's activations: memory against time, the same gradients. ``loss``: ``"fused"`` (default) computes the LM
 head and the cross-entropy together, ``loss_chunk_tokens`` tokens at a time, never holding ``[tokens, vocab]``
 logits (:func:`jaxgrad.ops.lm_head_loss.lm_head_loss`; the logits stay fp32 up to the loss); ``"logits"`` forms the
 logits in the activation dtype, then the loss. The held-out evaluation runs the run's own path and loss (forward
@@ -35,7 +37,7 @@ import pathlib
 
 import jax
 
-from jaxgrad.lora.config import CHECKPOINT_POLICIES, LlamaConfig, LoraConfig
+from jaxgrad.lora.config import BLOCK_RECOMPUTE, CHECKPOINT_POLICIES, LlamaConfig, LoraConfig
 from jaxgrad.train.errors import ConfigError, DataError
 
 MODES = ("full", "lora", "qlora")
@@ -77,8 +79,9 @@ class BlockPath:
     def pair(self) -> tuple[str, str]:
         return self.backend, self.attention
 
-    def describe(self, gradient_checkpointing: str) -> str:
-        return (f"block {self.backend}, attention {self.attention}, checkpointing {gradient_checkpointing}"
+    def describe(self, gradient_checkpointing: str, block_recompute: str = "shared") -> str:
+        return (f"block {self.backend}, attention {self.attention}, checkpointing {gradient_checkpointing}, "
+                f"recompute {block_recompute}"
                 f"{' (' + self.reason + ')' if self.reason else ''}")
 
 
@@ -110,6 +113,7 @@ class LoraFit:
     backend: str = "auto"
     attention: str = "auto"
     gradient_checkpointing: str = "none"
+    block_recompute: str = "shared"
     loss: str = "fused"
     loss_chunk_tokens: int = 1024
     data_path: str | None = None
@@ -141,6 +145,7 @@ class LoraFit:
         need(self.attention in ATTENTIONS, "attention", f"one of {ATTENTIONS}")
         need(self.gradient_checkpointing in CHECKPOINT_POLICIES, "gradient_checkpointing",
              f"one of {CHECKPOINT_POLICIES}")
+        need(self.block_recompute in BLOCK_RECOMPUTE, "block_recompute", f"one of {BLOCK_RECOMPUTE}")
         need(self.loss in LOSSES, "loss", f"one of {LOSSES}")
         need(isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 1, "loss_chunk_tokens",
              "an int >= 1")
@@ -240,7 +245,7 @@ class LoraFit:
                            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
                            rope_theta=float(self.rope_theta), max_position_embeddings=self.seq_len,
                            vocab_size=vocab_size, num_hidden_layers=self.num_hidden_layers,
-                           gradient_checkpointing=self.gradient_checkpointing)
+                           gradient_checkpointing=self.gradient_checkpointing, block_recompute=self.block_recompute)
 
     def llama_config(self, vocab_size: int | None = None) -> LlamaConfig:
         """The model: the checkpoint's ``config.json`` with ``base`` (set architecture keys must agree), else the
@@ -256,7 +261,8 @@ class LoraFit:
                             f"Face checkpoint folder: config.json and model*.safetensors)")
         try:
             cfg = read_llama_config(pathlib.Path(self.base).expanduser(),
-                                    gradient_checkpointing=self.gradient_checkpointing)
+                                    gradient_checkpointing=self.gradient_checkpointing,
+                                    block_recompute=self.block_recompute)
         except (FileNotFoundError, CheckpointError) as err:
             raise DataError(f"LoRA fit: 'base' {self.base}: {err}") from None
         diff = [f"'{k}': checkpoint {getattr(cfg, k)!r}, configured {getattr(self, k)!r}" for k in ARCHITECTURE
