@@ -3,8 +3,9 @@ attention, each inside ``shard_map`` on its device's rows), sharded over every l
 gradient ``jaxgrad.verify.check_vjp`` accepts against ``jax.grad`` of the plain model on one device; and in
 float32 every layout gives the loss of one GPU (to float32 rounding of a differently ordered sum).
 
-Run: ``bash scripts/gpu_check.sh tests test_lora_sharding_gpu`` on a machine with 2 or 4 GPUs
-(``NCCL_NVLS_ENABLE=0``)."""
+Run on a machine with 2 or 4 GPUs: ``NCCL_NVLS_ENABLE=0 bash scripts/gpu_check.sh tests
+tests/test_lora_sharding_gpu.py`` (or ``NCCL_NVLS_ENABLE=0 .venv/bin/python -m pytest -m gpu -q
+tests/test_lora_sharding_gpu.py``); every GPU of the machine is used."""
 
 import os
 

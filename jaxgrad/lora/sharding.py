@@ -185,14 +185,25 @@ def _pad_rows(batch: dict, multiple: int) -> dict:
     return out
 
 
+def _on_host(fn):
+    """``fn()`` with JAX's default device the host's CPU (when JAX has one): a base read or initialised there never
+    sits whole on an accelerator."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return fn()
+    with jax.default_device(cpu):
+        return fn()
+
+
 def make_sharded_task(fit: LoraFit, mesh, *, grad_path: str = "custom_vjp", device=None, base_params=None,
                       shard_trainable: bool = False) -> tuple[Task, ShardPlan]:
     """``(task, plan)``: :func:`jaxgrad.lora.task.make_task`'s task with its base laid out over ``mesh``'s
     ``fsdp`` axis (module docstring) and an evaluation that runs sharded too. Train it with
     ``jaxgrad.train.fit(task, cfg, out, mesh=mesh, plan=plan)``.
 
-    ``base_params``: the frozen base (default: :func:`jaxgrad.lora.task.load_base`), taken to the host first so no
-    device holds more than its shards. Mode ``"full"`` (every weight trained) is refused: it has no frozen base."""
+    ``base_params``: the frozen base (default: :func:`jaxgrad.lora.task.load_base`, read on the host's CPU), taken
+    to the host so that no device holds more than its shards (each process holds the whole base in host memory). Mode ``"full"`` (every weight trained) is refused: it has no frozen base."""
     if fit.mode == "full":
         raise ConfigError("mesh.axes with 'fsdp' shards the frozen base of model.mode 'lora' or 'qlora'; mode 'full' "
                           "trains every weight: use mesh.axes = 'data'")
@@ -201,10 +212,10 @@ def make_sharded_task(fit: LoraFit, mesh, *, grad_path: str = "custom_vjp", devi
     tokenizer = load_tokenizer_of(fit)
     cfg = fit.llama_config(None if tokenizer is None else tokenizer.vocab_size)
     lcfg = fit.lora_config()
-    base = load_base(fit, cfg) if base_params is None else base_params
+    base = _on_host(lambda: load_base(fit, cfg)) if base_params is None else base_params
     if fit.mode == "qlora":
         base = quantize_projections(base, blocksize=fit.nf4_blocksize, double_quant=fit.double_quant)
-    base = jax.device_get(base)
+    base = jax.device_get(base)  # host arrays: each device receives only its shards
     task = make_task(fit, base_params=base, grad_path=grad_path, device=device)
     consts = consts_specs = None
     if fit.mode == "qlora":
@@ -264,33 +275,13 @@ def _describe(abstract, specs, consts, n: int, shard_trainable: bool) -> str:
     whole = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract["base"]))
     nf4 = 0 if consts is None else sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                                        for x in jax.tree.leaves(consts))
-    return (f"fsdp {n}: frozen base {base / 2**20:.1f} MiB per device (of {whole / 2**20:.1f} MiB)"
-            + (f" + NF4 projections {nf4 / 2**20:.1f} MiB per device" if consts is not None else "")
+    return (f"fsdp {n}: frozen base {_size(base)} per device (of {_size(whole)})"
+            + (f" + NF4 projections {_size(nf4)} per device" if consts is not None else "")
             + f"; adapters and optimiser state {'sharded' if shard_trainable else 'replicated'}")
 
 
-def cli_task(cfg: dict, out, say, mesh, shard_trainable: bool = False):
-    """``(task, finish, plan)`` for ``jaxgrad train lora`` on a layout with ``fsdp`` (``mesh.axes``): as
-    :func:`jaxgrad.lora.task.cli_task`, with the model sharded over ``mesh`` (:func:`make_sharded_task`).
-    ``finish`` writes the adapter (PEFT's files in ``out/adapter``), from process 0 of a multi-process run."""
-    import pathlib
-
-    from jaxgrad.lora.task import fit_from_config
-
-    fit = fit_from_config(cfg)
-    task, plan = make_sharded_task(fit, mesh, grad_path=cfg["train"]["grad_path"], shard_trainable=shard_trainable)
-    whole = jax.jit(lambda tree: tree, out_shardings=jax.sharding.NamedSharding(mesh, PartitionSpec()))
-
-    def finish(result):
-        from jaxgrad.lora.peft import save_adapter
-
-        lora = jax.device_get(whole(result.state["params"]["lora"]))  # sharded adapters gathered first
-        if jax.process_index() != 0:
-            return {"eval": result.eval}
-        # out/adapter belongs to the run (--overwrite clears it): a resumed run rewrites it
-        path = save_adapter(pathlib.Path(out) / "adapter", lora, fit.lora_config(), base_model_name_or_path=fit.base,
-                            overwrite=True)
-        return {"eval": result.eval, "adapter": str(path)}
-
-    say(f"layout: {plan.describe}")
-    return task, finish, plan
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
