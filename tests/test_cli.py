@@ -185,7 +185,8 @@ def test_train_kan_runs_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "run"
     args = ["train", "kan", "configs/kan.toml", "--set", "model.dtype=float32", "--set", "model.grids=[3]",
-            "--set", "train.optimizer=adam", "--set", "train.lr=0.01", "--set", "train.steps=3",
+            "--set", "train.optimizer=adam", "--set", "train.lr=0.01", "--set", "train.lbfgs_warmup_steps=0",
+            "--set", "train.steps=3",
             "--set", "data.n_train=32", "--set", "data.n_test=16", "--out", str(out), "--no-progress"]
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -35,6 +35,7 @@ KAN_TOML = """\
 [train]
 optimizer = "adam"
 lr = 0.01
+lbfgs_warmup_steps = 0
 steps = 4
 log_every = 2
 checkpoint_every = 2
@@ -250,6 +251,7 @@ def test_cli_run_whose_steps_are_all_skipped_fails(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["train", "kan", str(ROOT / "configs" / "kan.toml"), "--set", "model.dtype=float32",
                "--set", "model.grids=[3]", "--set", "train.optimizer=adam", "--set", "train.lr=1e30",
+               "--set", "train.lbfgs_warmup_steps=0",
                "--set", "train.steps=12", "--set", "train.max_consecutive_skips=4", "--set", "data.n_train=32",
                "--set", "data.n_test=16",
                "--out", str(out), "--no-progress"])

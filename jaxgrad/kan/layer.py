@@ -36,25 +36,41 @@ from jaxgrad.checks import check_float_dtype, check_key, check_precision
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
-__all__ = ["KANConfig", "check_params", "init", "kan_linear", "kan_linear_reference", "spline_order", "trainable_mask"]
+__all__ = ["DEFAULT_SCALE_NOISE", "INITS", "KANConfig", "check_params", "init", "kan_linear", "kan_linear_reference",
+           "spline_order", "trainable_mask"]
+
+
+INITS = ("efficient_kan", "pykan")
+#: ``scale_noise`` when it is not given: efficient-kan's ``KANLinear`` default and pykan's ``MultKAN`` default
+DEFAULT_SCALE_NOISE = {"efficient_kan": 0.1, "pykan": 0.3}
 
 
 @dataclasses.dataclass(frozen=True)
 class KANConfig:
-    """Hyper-parameters of one KAN layer (names and defaults of efficient-kan's ``KANLinear``)."""
+    """Hyper-parameters of one KAN layer (names and defaults of efficient-kan's ``KANLinear``).
+
+    ``init`` picks the initial ``base_weight`` and ``spline_scaler`` (:func:`init`): ``"efficient_kan"`` (the
+    default, so converted efficient-kan layers and existing seeds keep their values) or ``"pykan"`` (pykan's
+    ``KANLayer``). ``scale_noise`` ``None`` is that init's default (:data:`DEFAULT_SCALE_NOISE`).
+    """
 
     in_features: int
     out_features: int
     grid_size: int = 5
     spline_order: int = 3
     grid_range: tuple[float, float] = (-1.0, 1.0)
-    scale_noise: float = 0.1
+    scale_noise: float | None = None
     scale_base: float = 1.0
     scale_spline: float = 1.0
     grid_eps: float = 0.02
     bias: bool = False
+    init: str = "efficient_kan"
 
     def __post_init__(self):
+        if self.init not in INITS:
+            raise ValueError(f"KANConfig: init must be one of {INITS}, got {self.init!r}")
+        if self.scale_noise is None:
+            object.__setattr__(self, "scale_noise", DEFAULT_SCALE_NOISE[self.init])
         for name in ("in_features", "out_features", "grid_size", "spline_order"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -95,7 +111,18 @@ def _kaiming_uniform(key, shape, fan_in, a, dtype):
 
 
 def init(key: jax.Array, cfg: KANConfig, dtype=jnp.float32) -> dict[str, jax.Array]:
-    """efficient-kan's initialisation: Kaiming-uniform base weight and scaler, spline weights fitted to small noise.
+    r"""Initial layer parameters: spline weights fitted to small noise, then ``cfg.init``'s scales.
+
+    Both inits fit ``spline_weight`` by least squares to noise :math:`(U(0, 1) - \tfrac12)\,
+    \text{scale\_noise} / G` sampled at the ``G + 1`` grid points (efficient-kan's ``curve2coeff``, pykan's
+    ``curve2coef``). With :math:`n = ` ``in_features``:
+
+    * ``"efficient_kan"``: ``base_weight`` and ``spline_scaler`` Kaiming-uniform,
+      :math:`U(\pm \text{scale} \cdot \sqrt{3 / n} \cdot \sqrt{2 / (1 + 5\,\text{scale}^2)})` (torch's
+      ``kaiming_uniform_(w, a=sqrt(5) * scale)``);
+    * ``"pykan"``: ``base_weight`` :math:`= \text{scale\_base}\, U(-1, 1) / \sqrt{n}` (pykan's
+      ``scale_base_mu = 0``, ``scale_base_sigma = scale_base``), ``spline_scaler`` :math:`=
+      \text{scale\_spline} / \sqrt{n}` for every edge (pykan's ``scale_sp``).
 
     ``cfg`` is a :class:`KANConfig` (``init(key, KANConfig(4, 3))``); for a network of widths ``[4, 3]`` use
     :func:`jaxgrad.kan.kan_init`. ``dtype`` must be a floating dtype.
@@ -106,6 +133,8 @@ def init(key: jax.Array, cfg: KANConfig, dtype=jnp.float32) -> dict[str, jax.Arr
             hint = (f"; for one layer of {cfg} -> {dtype!r} features write init(key, KANConfig({cfg}, {dtype!r})), "
                     f"for a network kan_init(key, [{cfg}, {dtype!r}])" if isinstance(dtype, (int, np.integer))
                     else f"; e.g. init(key, KANConfig(in_features={cfg}, out_features=...))")
+        elif isinstance(cfg, (list, tuple)) and all(isinstance(w, (int, np.integer)) for w in cfg):
+            hint = f"; for a network of widths {list(cfg)} write kan_init(key, {list(cfg)})"
         raise TypeError(f"KAN init: 'cfg' must be a KANConfig, got {type(cfg).__name__} {cfg!r}{hint}")
     check_key(key, "KAN init")
     check_float_dtype(dtype, "KAN init")
@@ -116,12 +145,18 @@ def init(key: jax.Array, cfg: KANConfig, dtype=jnp.float32) -> dict[str, jax.Arr
     noise = (jax.random.uniform(k_noise, (G + 1, cfg.in_features, cfg.out_features), dtype) - 0.5) \
         * cfg.scale_noise / G
     samples = grid.T[k:-k]  # [G+1, in]
+    shape = (cfg.out_features, cfg.in_features)
+    if cfg.init == "pykan":
+        root = math.sqrt(cfg.in_features)
+        base = jax.random.uniform(k_base, shape, dtype, -1.0, 1.0) * (cfg.scale_base / root)
+        scaler = jnp.full(shape, cfg.scale_spline / root, dtype)
+    else:
+        base = _kaiming_uniform(k_base, shape, cfg.in_features, math.sqrt(5) * cfg.scale_base, dtype)
+        scaler = _kaiming_uniform(k_scaler, shape, cfg.in_features, math.sqrt(5) * cfg.scale_spline, dtype)
     params = {
-        "base_weight": _kaiming_uniform(k_base, (cfg.out_features, cfg.in_features), cfg.in_features,
-                                        math.sqrt(5) * cfg.scale_base, dtype),
+        "base_weight": base,
         "spline_weight": curve_to_coefficients(samples, noise, grid, k).astype(dtype),
-        "spline_scaler": _kaiming_uniform(k_scaler, (cfg.out_features, cfg.in_features), cfg.in_features,
-                                          math.sqrt(5) * cfg.scale_spline, dtype),
+        "spline_scaler": scaler,
         "grid": grid,
     }
     if cfg.bias:

@@ -37,8 +37,8 @@ def kan_init(key: jax.Array, widths: Sequence[int], *, dtype=jnp.float32, **laye
       widths: ``[in, h_1, ..., out]``, at least two positive integers.
       dtype: parameter dtype.
       **layer_cfg: the other fields of :class:`~jaxgrad.kan.layer.KANConfig` (``grid_size``, ``spline_order``,
-        ``grid_range``, ``scale_noise``, ``scale_base``, ``scale_spline``, ``grid_eps``, ``bias``), shared by
-        every layer.
+        ``grid_range``, ``scale_noise``, ``scale_base``, ``scale_spline``, ``grid_eps``, ``bias``, ``init``:
+        ``"efficient_kan"`` (default) or ``"pykan"``), shared by every layer.
     """
     if isinstance(widths, (str, bytes, Mapping)) or not isinstance(widths, Iterable):
         raise TypeError(f"kan_init: 'widths' must be a list of layer widths [in, h_1, ..., out], got "
@@ -89,8 +89,11 @@ def kan_widths(params: Sequence[dict[str, jax.Array]]) -> list[int]:
     return widths
 
 
-def trainable_mask(params: Sequence[dict[str, jax.Array]]) -> list[dict[str, bool]]:
-    """Per layer :func:`jaxgrad.kan.layer.trainable_mask` (``False`` for ``grid``), for ``optax.masked``."""
+def trainable_mask(params):
+    """``False`` for every ``grid``, ``True`` elsewhere, in the structure of ``params`` (a network's list of layer
+    dicts, or one layer dict): for ``optax.masked`` / ``optax.multi_transform``."""
+    if isinstance(params, Mapping):
+        return _layer_mask(params)
     return [_layer_mask(p) for p in params]
 
 

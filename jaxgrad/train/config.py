@@ -16,6 +16,7 @@ from jaxgrad.train.task import GRAD_PATHS
 NAN_POLICIES = ("skip", "stop")
 LINESEARCHES = ("zoom", "backtracking")
 DEFAULT_LR = 1e-3  # the first-order optimizers' learning rate when ``lr`` is not given
+DEFAULT_LBFGS_WARMUP_LR = 1e-2  # Adam's learning rate in an L-BFGS warm-up when ``lbfgs_warmup_lr`` is not given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,10 @@ class TrainConfig:
         never ignored: ``weight_decay`` needs ``"adamw"``, ``momentum`` needs ``"sgd"``, ``"lbfgs"`` takes no
         ``lr``, ``schedule`` or ``warmup_steps``, ``"cosine"`` has no warm-up (``"warmup_cosine"`` has).
       lbfgs_memory, linesearch: ``optax.lbfgs`` settings (full-batch tasks only).
+      lbfgs_warmup_steps, lbfgs_warmup_lr: with ``"lbfgs"``, Adam at ``lbfgs_warmup_lr`` (``None``:
+        :data:`DEFAULT_LBFGS_WARMUP_LR`) for the first ``lbfgs_warmup_steps`` steps of each optimiser state, then
+        L-BFGS (:func:`jaxgrad.train.optim.lbfgs_after_warmup`). Refused with another optimizer; the rate is
+        refused without warm-up steps.
       accumulate: micro-batches per optimiser step; the gradient is ``sum of item-loss gradients / items``
         over the whole window.
       clip_norm: global-norm gradient clipping (``None``: off).
@@ -57,6 +62,8 @@ class TrainConfig:
     momentum: float = 0.0
     lbfgs_memory: int = 10
     linesearch: str = "zoom"
+    lbfgs_warmup_steps: int = 0
+    lbfgs_warmup_lr: float | None = None
     accumulate: int = 1
     clip_norm: float | None = None
     nan_policy: str = "stop"
@@ -81,9 +88,9 @@ class TrainConfig:
         def unused(field, why, instead):
             raise ValueError(f"train config: '{field}' = {getattr(self, field)!r} is not used {why}; {instead}")
 
-        for f, lo in (("steps", 1), ("warmup_steps", 0), ("lbfgs_memory", 1), ("accumulate", 1), ("seed", 0),
-                      ("checkpoint_every", 1), ("keep", 1), ("log_every", 1), ("eval_every", 0),
-                      ("print_every", 1), ("max_consecutive_skips", 1)):
+        for f, lo in (("steps", 1), ("warmup_steps", 0), ("lbfgs_memory", 1), ("lbfgs_warmup_steps", 0),
+                      ("accumulate", 1), ("seed", 0), ("checkpoint_every", 1), ("keep", 1), ("log_every", 1),
+                      ("eval_every", 0), ("print_every", 1), ("max_consecutive_skips", 1)):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f, f"an int >= {lo}")
         for f in ("weight_decay", "momentum"):
@@ -91,6 +98,10 @@ class TrainConfig:
             need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, f, "a number >= 0")
         need(self.lr is None or (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and self.lr > 0),
              "lr", "a number > 0 (or None: the optimizer's default)")
+        need(self.lbfgs_warmup_lr is None or (isinstance(self.lbfgs_warmup_lr, (int, float))
+                                              and not isinstance(self.lbfgs_warmup_lr, bool)
+                                              and self.lbfgs_warmup_lr > 0),
+             "lbfgs_warmup_lr", f"a number > 0 (or None: {DEFAULT_LBFGS_WARMUP_LR})")
         need(self.clip_norm is None or (isinstance(self.clip_norm, (int, float)) and self.clip_norm > 0),
              "clip_norm", "a number > 0 or None")
         need(self.devices is None or (isinstance(self.devices, int) and self.devices >= 1), "devices",
@@ -111,9 +122,23 @@ class TrainConfig:
                        "leave it 'constant'")
             if self.warmup_steps:
                 unused("warmup_steps", "by optimizer 'lbfgs' (its line search picks the step length)",
-                       "leave it 0")
-        elif self.lr is None:
-            object.__setattr__(self, "lr", DEFAULT_LR)
+                       "leave it 0 (an Adam warm-up before L-BFGS is 'lbfgs_warmup_steps')")
+            if not self.lbfgs_warmup_steps and self.lbfgs_warmup_lr is not None:
+                unused("lbfgs_warmup_lr", "without an Adam warm-up", "set 'lbfgs_warmup_steps' > 0, or leave "
+                                                                     "lbfgs_warmup_lr unset")
+            if self.lbfgs_warmup_steps and self.lbfgs_warmup_lr is None:
+                object.__setattr__(self, "lbfgs_warmup_lr", DEFAULT_LBFGS_WARMUP_LR)
+        else:
+            if self.lbfgs_memory != 10 or self.linesearch != "zoom":
+                f = "lbfgs_memory" if self.lbfgs_memory != 10 else "linesearch"
+                unused(f, f"by optimizer {self.optimizer!r} (it is an L-BFGS setting)",
+                       "use optimizer 'lbfgs', or leave it at its default")
+            for f, off in (("lbfgs_warmup_steps", "set it to 0"), ("lbfgs_warmup_lr", "leave it unset")):
+                if getattr(self, f):
+                    unused(f, f"by optimizer {self.optimizer!r} (it is L-BFGS's Adam warm-up)",
+                           f"use optimizer 'lbfgs', or {off}")
+            if self.lr is None:
+                object.__setattr__(self, "lr", DEFAULT_LR)
         if self.weight_decay and self.optimizer != "adamw":
             unused("weight_decay", f"by optimizer {self.optimizer!r}",
                    "decoupled weight decay is optimizer 'adamw' (optax.adamw); or leave weight_decay at 0")

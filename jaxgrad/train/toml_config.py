@@ -26,6 +26,7 @@ Spec = tuple  # (kind, default) or (kind, default, choices)
 
 _TRAIN_KINDS = {"steps": "int", "optimizer": "str", "lr": "float?", "schedule": "str", "warmup_steps": "int",
                 "weight_decay": "float", "momentum": "float", "lbfgs_memory": "int", "linesearch": "str",
+                "lbfgs_warmup_steps": "int", "lbfgs_warmup_lr": "float?",
                 "accumulate": "int", "clip_norm": "float?", "nan_policy": "str", "max_consecutive_skips": "int",
                 "grad_path": "str", "seed": "int",
                 "param_dtype": "str?", "compute_dtype": "str?", "output_dtype": "str?", "devices": "int?",
@@ -34,7 +35,7 @@ _TRAIN_KINDS = {"steps": "int", "optimizer": "str", "lr": "float?", "schedule": 
 
 # [train] keys that define the optimiser state's structure or the data order: fixed on --resume
 TRAIN_FIXED = ("seed", "accumulate", "optimizer", "schedule", "warmup_steps", "clip_norm", "lbfgs_memory",
-               "linesearch", "param_dtype")
+               "linesearch", "lbfgs_warmup_steps", "param_dtype")
 
 
 def train_schema() -> dict[str, Spec]:
