@@ -285,3 +285,30 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n} B"
+
+
+def cli_task(cfg: dict, out, say, mesh, shard_trainable: bool = False):
+    """``(task, finish, plan)`` for ``jaxgrad train lora`` on a layout with ``fsdp`` (``mesh.axes``): as
+    :func:`jaxgrad.lora.task.cli_task`, with the model sharded over ``mesh`` (:func:`make_sharded_task`).
+    ``finish`` writes the adapter (PEFT's files in ``out/adapter``), from process 0 of a multi-process run."""
+    import pathlib
+
+    from jaxgrad.lora.task import fit_from_config
+
+    fit = fit_from_config(cfg)
+    task, plan = make_sharded_task(fit, mesh, grad_path=cfg["train"]["grad_path"], shard_trainable=shard_trainable)
+    whole = jax.jit(lambda tree: tree, out_shardings=jax.sharding.NamedSharding(mesh, PartitionSpec()))
+
+    def finish(result):
+        from jaxgrad.lora.peft import save_adapter
+
+        lora = jax.device_get(whole(result.state["params"]["lora"]))  # sharded adapters gathered first
+        if jax.process_index() != 0:
+            return {"eval": result.eval}
+        # out/adapter belongs to the run (--overwrite clears it): a resumed run rewrites it
+        path = save_adapter(pathlib.Path(out) / "adapter", lora, fit.lora_config(), base_model_name_or_path=fit.base,
+                            overwrite=True)
+        return {"eval": result.eval, "adapter": str(path)}
+
+    say(f"layout: {plan.describe}")
+    return task, finish, plan
