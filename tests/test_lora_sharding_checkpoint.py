@@ -1,6 +1,8 @@
 """A LoRA run's checkpoint written on N devices resumes on M (8 -> 1, 1 -> 8, 4 -> 2; the layouts differ too:
 ``fsdp`` 8, the plain single-device path, ``data`` 2 x ``fsdp`` 2, ``fsdp`` 2): the restored state equals the
 saved one bit for bit, lies on the new devices, and the next steps equal the N-device run's (float64, 1e-12).
+QLoRA too (8 -> 1): its NF4 projections are not in the checkpoint (the frozen base's constants, sharded as the
+resuming layout says).
 
 The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
 
@@ -29,15 +31,16 @@ from jaxgrad.lora.task_config import LoraFit
 lora = LoraFit(mode="lora", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=64, seq_len=16, batch_size=8, n_bytes=4096, dtype="float64",
                init_lora_weights=False)
+qlora = LoraFit(**{**lora.__dict__, "mode": "qlora", "nf4_blocksize": 32, "double_quant": True})
 LAYOUTS = {8: ("fsdp", 8, None), 1: None, 4: ("data,fsdp", 4, 2), 2: ("fsdp", 2, None)}
 
-def run(out, devices, steps, resuming):
+def run(out, devices, steps, resuming, fit_cfg=lora):
     cfg = TrainConfig(steps=steps, optimizer="adam", lr=1e-2, seed=3, checkpoint_every=1, log_every=1)
     if LAYOUTS[devices] is None:  # the plain single-device path
-        task, mesh, plan = make_task(lora, device=("cpu", None)), data_mesh(1), None
+        task, mesh, plan = make_task(fit_cfg, device=("cpu", None)), data_mesh(1), None
     else:
         mesh = train_mesh(*LAYOUTS[devices])
-        task, plan = make_sharded_task(lora, mesh, device=("cpu", None))
+        task, plan = make_sharded_task(fit_cfg, mesh, device=("cpu", None))
     res = fit(task, cfg, out, resuming=resuming, mesh=mesh, plan=plan, say=lambda m: None)
     return res.state
 
@@ -49,15 +52,16 @@ def rel(a, b):
 
 report = {}
 root = pathlib.Path(tempfile.mkdtemp())
-for n, m in ((8, 1), (1, 8), (4, 2)):
-    a, b = root / f"{n}-{m}-a", root / f"{n}-{m}-b"
-    saved = run(a, n, 2, False)
+for n, m, fit_cfg in ((8, 1, lora), (1, 8, lora), (4, 2, lora), (8, 1, qlora)):
+    name = f"{fit_cfg.mode} {n}->{m}"
+    a, b = root / f"{name}-a", root / f"{name}-b"
+    saved = run(a, n, 2, False, fit_cfg)
     shutil.copytree(a, b)
-    restored = run(b, m, 2, True)  # at its total already: the restored state, nothing trained
+    restored = run(b, m, 2, True, fit_cfg)  # at its total already: the restored state, nothing trained
     emb = restored["params"]["base"]["embed_tokens"]["weight"]
-    on_n = run(a, n, 4, True)
-    on_m = run(b, m, 4, True)
-    report[f"{n}->{m}"] = {
+    on_n = run(a, n, 4, True, fit_cfg)
+    on_m = run(b, m, 4, True, fit_cfg)
+    report[name] = {
         "bitwise": all(np.array_equal(x, y) for x, y in zip(leaves(restored), leaves(saved))),
         "devices": len(emb.sharding.device_set),
         "next_steps": max(rel(x, y) for x, y in zip(leaves(on_m["params"]["lora"]), leaves(on_n["params"]["lora"]))),
@@ -76,7 +80,7 @@ def test_a_checkpoint_of_n_devices_resumes_on_m_bit_identically_and_trains_on_id
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
     report = json.loads(line[len("REPORT"):])
-    assert set(report) == {"8->1", "1->8", "4->2"}
+    assert set(report) == {"lora 8->1", "lora 1->8", "lora 4->2", "qlora 8->1"}
     for name, r in report.items():
         m = int(name.split("->")[1])
         assert r["bitwise"], (name, r)
