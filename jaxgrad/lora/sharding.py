@@ -19,9 +19,11 @@ the device's rows: the embedding and the head are all-gathered once, and layer `
 (:func:`jax.lax.all_gather` over ``fsdp``) just before its block, inside a ``jax.checkpoint`` whose policy saves
 everything but the gathered weights: the block's custom VJP, its Pallas / Mosaic kernels and cuDNN attention see
 plain whole arrays, exactly as on one device, while the backward gathers the layer again instead of keeping every
-layer's full weights from the forward. At most one layer's full weights (plus the embedding and the head) are
-alive at a time. The gradient of the adapters is the ``psum`` over the mesh of the per-device gradients (the
-same sum as on one device, in another order: equal to 1e-12 in float64, ``tests/test_lora_sharding.py``).
+layer's full weights from the forward. About one layer's full weights (plus the embedding and the head) are alive
+at a time (XLA's scheduler may start the next layer's gather early, to overlap it with compute; measured on the
+CPU: ``tests/test_lora_sharding.py``). The gradient of the adapters is the ``psum`` over the mesh of the per-device
+gradients (``psum_scatter`` over ``fsdp`` then ``psum`` over ``data`` when they are sharded): the same sum as on one
+device, in another order, equal to 1e-12 in float64.
 
 :func:`make_sharded_task` builds the :class:`~jaxgrad.train.Task` and its :class:`~jaxgrad.train.mesh.ShardPlan`
 from a :class:`~jaxgrad.lora.task_config.LoraFit`; its parameters are the same tree as
