@@ -22,7 +22,7 @@ from jaxgrad.train.config import TrainConfig
 from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.grads import global_mean_loss, global_sum_loss
 from jaxgrad.train.loop import FitResult, TrainingDiverged, build, fit, init_state, log_end, train_in_memory
-from jaxgrad.train.mesh import data_mesh, replicate, shard_batch
+from jaxgrad.train.mesh import ShardPlan, data_mesh, replicate, shard_batch, train_mesh
 from jaxgrad.train.precision import Policy
 from jaxgrad.train.step import accumulate_window, make_steps
 from jaxgrad.train.task import Task
@@ -30,4 +30,4 @@ from jaxgrad.train.task import Task
 __all__ = ["Checkpointer", "CheckpointMismatchError", "CheckpointSaveError", "ConfigError", "DataError", "FitResult",
            "NoGoodCheckpointError", "Policy", "Task", "TrainConfig", "TrainingDiverged", "accumulate_window", "build",
            "data_mesh", "fit", "global_mean_loss", "global_sum_loss", "init_state", "log_end", "make_steps",
-           "replicate", "rundir", "shard_batch", "train_in_memory"]
+           "replicate", "rundir", "shard_batch", "ShardPlan", "train_in_memory", "train_mesh"]
