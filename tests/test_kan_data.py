@@ -222,3 +222,5 @@ def test_fit_reads_like_pykans_and_lowers_the_test_loss():
         kan.fit(params, ds, steps=5, opt="LBFGS", lr=0.1)
     with pytest.raises(ValueError, match="'opt' must be one of"):
         kan.fit(params, ds, opt="Newton")
+    with pytest.raises(ValueError, match=r"grid updates every stop_grid_update_step // grid_update_num = 5 // 10 = 0"):
+        kan.fit(params, ds, stop_grid_update_step=5)   # pykan divides by zero there

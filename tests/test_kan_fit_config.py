@@ -190,6 +190,10 @@ def _rmse_per_grid(fit_cfg, seed, steps):
 
 
 def test_the_cli_defaults_are_the_shipped_config():
+    from jaxgrad.kan.task import CLI_TRAIN_DEFAULTS
+
+    for k in ("optimizer", "steps", "lbfgs_warmup_steps"):
+        assert CLI_TRAIN_DEFAULTS[k] == SHIPPED["train"][k], k
     m, d = SHIPPED["model"], SHIPPED["data"]
     for k, v in m.items():
         assert CLI_SCHEMA["model"][k][1] == v, k

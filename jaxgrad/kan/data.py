@@ -245,7 +245,8 @@ def read_table(path, inputs=None, targets=None) -> Table:
     """Read ``path`` (``.csv``, ``.npy``, ``.npz``) and pick the input and target columns.
 
     ``inputs`` / ``targets``: a column name or 0-based position, or a list of them (an ``.npz`` array's name picks
-    all its columns). Defaults: ``targets`` the last column; ``inputs`` every column that is not a target. A column
+    all its columns). Defaults: ``targets`` the last column (an ``.npz`` of several arrays: the last array's
+    columns); ``inputs`` every column that is not a target. A column
     may not be both; a value that is not finite is refused (its row and column named), never dropped.
     """
     p = pathlib.Path(path).expanduser()

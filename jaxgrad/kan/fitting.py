@@ -35,9 +35,9 @@ __all__ = ["OPTIMIZERS", "fit"]
 OPTIMIZERS = {"lbfgs": "lbfgs", "adam": "adam", "adamw": "adamw", "sgd": "sgd"}
 
 
-def fit(params, dataset: dict, steps: int = 100, opt: str = "LBFGS", *, lr: float | None = None,
+def fit(params, dataset: dict, opt: str = "LBFGS", steps: int = 100, log: int = 1, *, lr: float | None = None,
         warmup_steps: int = 0, warmup_lr: float | None = None, update_grid: bool = True, grid_update_num: int = 10,
-        stop_grid_update_step: int = 50, grid_eps: float = 0.02, batch: int = -1, log: int = 1, seed: int = 0,
+        stop_grid_update_step: int = 50, grid_eps: float = 0.02, batch: int = -1, seed: int = 0,
         backend: str = "xla", grad_path: str = "custom_vjp", out=None, verbose: bool = False):
     r"""Train ``params`` (a network's list of layer dicts, :func:`jaxgrad.kan.kan_init`) on ``dataset``.
 
@@ -45,16 +45,16 @@ def fit(params, dataset: dict, steps: int = 100, opt: str = "LBFGS", *, lr: floa
       params: the starting parameters (their widths, grid and spline order define the model).
       dataset: pykan's dict ``train_input``, ``train_label``, ``test_input``, ``test_label``
         (:func:`jaxgrad.kan.create_dataset`, :func:`jaxgrad.kan.data.dataset_from_file`).
-      steps: optimiser steps (L-BFGS iterations, Adam steps).
       opt: ``"LBFGS"`` (strong-Wolfe line search, no learning rate: ``lr`` must stay ``None``), ``"Adam"``,
-        ``"AdamW"``, ``"SGD"`` (``lr``, default 1e-3).
+        ``"AdamW"``, ``"SGD"`` (``lr``, default 1e-3). The positional order is pykan's: ``opt, steps, log``.
+      steps: optimiser steps (L-BFGS iterations, Adam steps).
+      log: steps between the recorded losses.
       warmup_steps, warmup_lr: with ``"LBFGS"``, Adam at ``warmup_lr`` (default 1e-2) for the first
         ``warmup_steps`` steps of each optimiser state, then L-BFGS (``train.lbfgs_warmup_steps``).
       update_grid, grid_update_num, stop_grid_update_step, grid_eps: pykan's grid updates: every
         ``stop_grid_update_step // grid_update_num`` steps while ``step < stop_grid_update_step`` the grids move to
         the samples (``grid_eps`` 0: their quantiles, 1: uniform over their range).
       batch: ``-1`` (full batch) or a mini-batch size (first-order optimizers).
-      log: steps between the recorded losses.
       seed: the engine's seed (its RNG stream; the data order of mini-batches).
       backend, grad_path: ``kan_apply``'s backend and the engine's gradient path.
       out: a run directory to keep (checkpoint, ``metrics.jsonl``); ``None``: a temporary one.
@@ -83,6 +83,10 @@ def fit(params, dataset: dict, steps: int = 100, opt: str = "LBFGS", *, lr: floa
         raise ValueError(f"fit: every layer must have the same grid size (refine_network makes it so), got "
                          f"{sorted(grids)}")
     freq = stop_grid_update_step // grid_update_num if update_grid and grid_update_num else 0
+    if update_grid and grid_update_num and not freq:
+        raise ValueError(f"fit: grid updates every stop_grid_update_step // grid_update_num = "
+                         f"{stop_grid_update_step} // {grid_update_num} = 0 steps; make stop_grid_update_step >= "
+                         f"grid_update_num, or pass update_grid=False")
     dtype = np.dtype(params[0]["base_weight"].dtype).name
     kfit = KANFit(target=None, widths=tuple(widths), grids=(grids.pop(),), spline_order=spline_order(params[0]),
                   grid_update_every=freq, stop_grid_update_step=stop_grid_update_step if freq else 50,
