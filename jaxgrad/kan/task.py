@@ -303,6 +303,13 @@ def cli_task(cfg: dict, out, say):
     data file, ``data.json``)."""
     fit = fit_from_config(cfg)
     ds = dataset_from_config(cfg)
+    t = cfg["train"]
+    if t["optimizer"] == "lbfgs" and t["lbfgs_warmup_steps"]:
+        from jaxgrad.train.config import DEFAULT_LBFGS_WARMUP_LR
+
+        lr = DEFAULT_LBFGS_WARMUP_LR if t["lbfgs_warmup_lr"] is None else t["lbfgs_warmup_lr"]
+        say(f"optimizer: Adam at lr {lr:g} for the first {t['lbfgs_warmup_steps']} steps of each optimiser state "
+            f"(the run's start and each grid refinement or update), then L-BFGS")
     if ds is not None:
         d = cfg["data"]
         say(f"data: {ds['path']}: {ds['n_rows']} rows; inputs {list(ds['input_names'])}, targets "
