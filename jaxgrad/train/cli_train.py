@@ -60,10 +60,16 @@ def schema_of(fam) -> dict:
 
 def fill_defaults(fam, cfg: dict) -> dict:
     """Defaults that depend on other keys: ``train.lr`` unset takes the family's default learning rate for the
-    first-order optimizers and stays unset for L-BFGS (which has none)."""
+    first-order optimizers and stays unset for L-BFGS (which has none); ``train.lbfgs_warmup_lr`` unset takes
+    :data:`~jaxgrad.train.config.DEFAULT_LBFGS_WARMUP_LR` where an L-BFGS run has warm-up steps, so the printed
+    and saved configuration shows the rate the run uses."""
+    from jaxgrad.train.config import DEFAULT_LBFGS_WARMUP_LR
+
     t = cfg["train"]
     if t["lr"] is None and t["optimizer"] != "lbfgs":
         t["lr"] = float(fam.CLI_TRAIN_DEFAULTS.get("lr", DEFAULT_LR))
+    if t["optimizer"] == "lbfgs" and t.get("lbfgs_warmup_steps") and t.get("lbfgs_warmup_lr") is None:
+        t["lbfgs_warmup_lr"] = DEFAULT_LBFGS_WARMUP_LR
     return cfg
 
 
