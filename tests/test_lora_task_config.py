@@ -139,7 +139,7 @@ def test_adapters_default_to_float32_over_a_bfloat16_base_and_get_float32_gradie
     assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+@pytest.mark.parametrize("policy", ["full", "offload", "dots_saveable"])
 def test_gradient_checkpointing_leaves_every_lora_gradient_unchanged(policy):
     with jax.enable_x64(True):
         base_cfg = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
@@ -174,3 +174,11 @@ def test_the_fused_lm_head_loss_is_the_logits_loss_without_the_logits():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-11, atol=1e-14)
     with pytest.raises(ConfigError, match="'loss_chunk_tokens' must be an int >= 1"):
         LoraFit(loss_chunk_tokens=0)
+
+
+def test_offload_is_refused_on_an_fsdp_mesh_by_name():
+    from jaxgrad.lora.sharding import make_sharded_task
+    from jaxgrad.train.mesh import train_mesh
+
+    with pytest.raises(ConfigError, match="'offload' .* is not available with mesh.axes 'fsdp'"):
+        make_sharded_task(LoraFit(mode="lora", gradient_checkpointing="offload"), train_mesh("fsdp", 1))

@@ -19,9 +19,10 @@ __all__ = ["LlamaConfig", "LoraConfig", "PROJECTIONS", "CHECKPOINT_POLICIES", "B
 #: The 7 projections of a Llama block, as (group, name), in PEFT / HF order.
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-#: ``gradient_checkpointing`` values: "none" (no jax.checkpoint), "full" (save nothing inside a block), or a
+#: ``gradient_checkpointing`` values: "none" (no jax.checkpoint), "full" (save nothing inside a block), "offload"
+#: ("full" with each block's input held in host memory between the forward and the backward), or a
 #: ``jax.checkpoint_policies`` name.
-CHECKPOINT_POLICIES = ("none", "full", "dots_saveable", "nothing_saveable", "everything_saveable",
+CHECKPOINT_POLICIES = ("none", "full", "offload", "dots_saveable", "nothing_saveable", "everything_saveable",
                        "dots_with_no_batch_dims_saveable")
 #: ``block_recompute`` values: what the whole-block VJP's backward recomputes for real instead of sharing the
 #: forward's identical computation (:mod:`jaxgrad.lora.block`, "What the VJP saves"): "shared" (nothing: fastest,

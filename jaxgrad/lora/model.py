@@ -32,7 +32,8 @@ those of the segment run alone (``tests/test_lora_packing.py``, float64); :func:
 non-ignored labels of packed rows as of any others, so the window normalisation stays exact.
 
 Gradient checkpointing: ``cfg.gradient_checkpointing`` wraps every block in ``jax.checkpoint`` with that policy
-(``"none"``: no wrapping; ``"full"``: save nothing inside a block; else a ``jax.checkpoint_policies`` name).
+(``"none"``: no wrapping; ``"full"``: save nothing inside a block; ``"offload"``: the same with each block's input
+kept in host memory until the backward; else a ``jax.checkpoint_policies`` name).
 """
 
 from __future__ import annotations
@@ -186,11 +187,34 @@ def _check_model(params, lora, input_ids, cfg, lcfg, attention_mask=None, segmen
                                      f"'lora_B': [out, r]}}), got keys {sorted(map(str, entry))}")
 
 
+@jax.custom_vjp
+def _to_host(x):
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+@jax.custom_vjp
+def _to_device(x):
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+# the transfers' transposes are the transfers back: a cotangent lives where its primal does
+_to_host.defvjp(lambda x: (_to_host(x), None), lambda _, g: (jax.device_put(g, jax.memory.Space.Device),))
+_to_device.defvjp(lambda x: (_to_device(x), None), lambda _, g: (jax.device_put(g, jax.memory.Space.Host),))
+
+
 def _checkpointed(fn, policy: str):
+    """``fn(layer, layer_lora, h, key)`` under the block's ``gradient_checkpointing`` policy. ``"offload"``: the
+    block under ``jax.checkpoint`` whose input is handed over in host memory, so the residual that lives from the
+    forward to the backward (a ``jax.checkpoint``'s input) is the host copy: the device holds only the layer in
+    flight (its input comes back to the device when the backward recomputes the block; the transfers carry the
+    values and their cotangents unchanged)."""
     if policy == "none":
         return fn
     if policy == "full":
         return jax.checkpoint(fn)
+    if policy == "offload":
+        block = jax.checkpoint(lambda layer, layer_lora, h_host, key: fn(layer, layer_lora, _to_device(h_host), key))
+        return lambda layer, layer_lora, h, key: block(layer, layer_lora, _to_host(h), key)
     return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy))
 
 
