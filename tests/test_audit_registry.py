@@ -29,6 +29,10 @@ EXEMPT = {
         "the engine's loss over a device mesh: its backward is ct * psum of jax.value_and_grad of the family's loss "
         "(whose custom VJPs are audited here); the batch gets no cotangent by design, which jax.grad of a plain "
         "reference would contradict; tests/test_train_mesh.py checks it across devices",
+    "jaxgrad.train.grads:plan_sum_loss.<locals>.total":
+        "the engine's loss over a (data, fsdp) mesh with a shard plan: its backward is ct * the psum / psum_scatter "
+        "of jax.value_and_grad of the family's per-device loss (whose custom VJPs are audited here); "
+        "tests/test_lora_sharding*.py check every layout against one device (float64, 1e-12)",
     "jaxgrad.cnn.precision:_conv_flipped_dw.<locals>.conv2d_flipped_dw":
         "a deliberately wrong VJP (the weight gradient flipped): the bug the CNN precision study's verifier demo "
         "catches",
@@ -37,6 +41,13 @@ EXEMPT = {
     "jaxgrad.verify.planted_ops":
         "the planted-bug catalogue: hand-written VJPs with deliberate bugs (and their correct twins), the verifier's "
         "own examples (jaxgrad audit --planted)",
+    "jaxgrad.lora.model:_to_host":
+        "a memory placement (device to host) whose value is the identity and whose backward moves the cotangent "
+        "back; the LoRA gradients under gradient_checkpointing='offload' equal 'none' in float64 "
+        "(tests/test_lora_task_config.py) and on a GPU (tests/test_lora_offload_gpu.py)",
+    "jaxgrad.lora.model:_to_device":
+        "a memory placement (host to device) whose value is the identity and whose backward moves the cotangent "
+        "back; covered with _to_host by the offload tests",
     "jaxgrad.verify.calibration":
         "correct kernels that round as tensor cores do, on which the verifier's detection and false-alarm sweeps "
         "are calibrated: models of hardware rounding, not ops of the package",

@@ -197,9 +197,26 @@ def _to_device(x):
     return jax.device_put(x, jax.memory.Space.Device)
 
 
-# the transfers' transposes are the transfers back: a cotangent lives where its primal does
-_to_host.defvjp(lambda x: (_to_host(x), None), lambda _, g: (jax.device_put(g, jax.memory.Space.Device),))
-_to_device.defvjp(lambda x: (_to_device(x), None), lambda _, g: (jax.device_put(g, jax.memory.Space.Host),))
+def _to_host_fwd(x):
+    return _to_host(x), None
+
+
+def _to_host_bwd(_, g):
+    # the value is the identity; the cotangent of a device array lives on the device
+    return (jax.device_put(g, jax.memory.Space.Device),)
+
+
+def _to_device_fwd(x):
+    return _to_device(x), None
+
+
+def _to_device_bwd(_, g):
+    # the value is the identity; the cotangent of a host array lives in host memory
+    return (jax.device_put(g, jax.memory.Space.Host),)
+
+
+_to_host.defvjp(_to_host_fwd, _to_host_bwd)
+_to_device.defvjp(_to_device_fwd, _to_device_bwd)
 
 
 def _checkpointed(fn, policy: str):

@@ -424,8 +424,13 @@ def audit_cases():
     sizes = ((2, 7, 12, 37), (2, 13, 20, 61), (3, 11, 24, 101))
     vocab_of = {hidden: vocab for _, _, hidden, vocab in sizes}
 
-    def frozen_head(hidden, dtype):  # the frozen head of a size, a constant of h (fixed draw)
-        return audit_make_args(jax.random.key(11), (1, 1, hidden, vocab_of[hidden]))[1].astype(dtype)
+    def frozen_head(hidden, dtype):
+        """The frozen head of a size: a constant of ``h``, the same values whatever the dtype of the call
+        (:func:`~jaxgrad.ops.registry.frozen_normal`), so that the verifier's float64 re-run is the same function
+        (a ``jax.random`` draw in the default dtype is another draw under x64)."""
+        from jaxgrad.ops.registry import frozen_normal
+
+        return jnp.asarray(frozen_normal((vocab_of[hidden], hidden), 11, hidden ** -0.5), dtype)
 
     def frozen(h):
         w = frozen_head(h.shape[2], h.dtype)
