@@ -48,7 +48,7 @@ import numpy as np
 from jaxgrad.verify import cost
 from jaxgrad.verify import precision as prec
 from jaxgrad.verify.ground_truth import (FD_STEPS, FD_TOL, _coverage_notes, _structural_checks, adjoint_check,
-                                         finite_difference_checks)
+                                         finite_difference_checks, same_function_check)
 from jaxgrad.verify.hypothesis import candidate_precisions, float64_oracle, sample_rounding
 from jaxgrad.verify.inputs import (_call, _check_outputs, _fill_low_bits, _leaf_names, _rng, _to64, _validate_args,
                                    _validate_options, _white_noise_like)
@@ -423,6 +423,21 @@ def check_vjp(
                     for lf, lq in zip(leaves_out, leaves_q)]
 
         cost.lap("precision and statistics")
+        # 3a. the float64 runs compute the function called: the reference's emulated rounding against its float64
+        # run, and fn as called against fn in float64 at the caller's (exactly representable) inputs
+        if p != "f64":
+            q = functools.reduce(coarser, [prec.dtype_precision(d) for d in dtypes], p)
+            if samples is not None:
+                checks.append(same_function_check(
+                    "the reference", f"{p} (emulated, at {samples.errors[0].shape[0]} perturbed points)",
+                    samples.errors[:n_out], [0.0] * n_out, m_y, n_y, kinks[:n_out], q, replicas=True))
+            if float64 and all(y.dtype == jnp.float64 for y in jax.tree.leaves(_abstract_forward(fn, args64))):
+                try:
+                    y64_fn = [_np64(y) for y in jax.tree.leaves(cost.jit(fn)(*args64))]
+                except Exception:  # noqa: BLE001 - fn refuses float64: the re-run below says so
+                    y64_fn = None
+                if y64_fn is not None:
+                    checks.append(same_function_check("fn", p, y_lo, y64_fn, m_y, n_y, kinks[:n_out], q))
         # 3. float64 re-run
         # Run at a point whose values fill all 53 bits: bf16/f32-representable inputs make the products of a
         # low-precision kernel exact, which would pass its forward off as float64 while its backward is not.

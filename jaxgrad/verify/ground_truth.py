@@ -8,6 +8,13 @@ identity, the structure of the VJP, and notes on inputs that would hide a bug.
 * **Structure**: a zero cotangent gives zero gradients, a repeated call the same gradients,
   :math:`\mathrm{vjp}(2\bar y) = 2\,\mathrm{vjp}(\bar y)` (a stale accumulator breaks both), and every cotangent
   has its primal's shape and dtype.
+* **Same function in float64**: the float64 runs are an oracle only if they compute the function that was called.
+  ``fn``'s forward as called and ``fn``'s float64 forward at the same inputs (the inputs as called are exact in
+  float64), and the reference emulated at the adopted precision and its float64 run at the same points, must agree
+  to a worst-case rounding bound of the precision (:func:`same_function_check`). A value made inside a function
+  that does not come from its inputs -- a random draw or a constant in the default dtype, float64 under x64 -- is
+  another value in float64: the oracle then tests another function, and its rounding model, computed with it,
+  explains any error.
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.verify import cost
+from jaxgrad.verify import precision as prec
 from jaxgrad.verify.inputs import _white_noise_like
 from jaxgrad.verify.leaves import _normalized_error
 from jaxgrad.verify.report import Check
 
 FD_STEPS = (1e-2, 1e-3, 1e-4, 1e-5)  # relative to the argument's RMS
 FD_TOL = 1e-6  # finite differences in f64 with Richardson: truncation + cancellation stay below this
+SAME_FUNCTION_SAFETY = 64.0  # the constant C of the same-function bound C (u_op + u_f32 sqrt(N)): 8x the verdict's
 
 
 def _directional_fd(loss, args64, leaf_index, v, steps):
@@ -156,3 +165,45 @@ def _coverage_notes(names, leaves) -> list[str]:
                                  "(0.7-2% on smooth images vs ~100% on noise); use white noise")
                     break
     return notes
+
+
+def same_function_check(what: str, called: str, y_called, y64, m_y, n_y, kinks, precision: str,
+                        replicas: bool = False) -> Check:
+    r"""``what`` (``"fn"`` or ``"the reference"``) evaluated in float64 is the function called at ``called``.
+
+    ``y_called[j]``: flat forward output ``j`` as called (``replicas``: ``[K, *shape]``, at K points); ``y64[j]``:
+    the same in float64 at the same inputs; ``m_y[j]``, ``n_y[j]``: its sum|terms| and longest accumulation; ``kinks[j]``: the
+    absolute jump of a branch its rounding may flip (or ``None``). Per entry, with
+    :math:`b_j = C (u_p + u_{f32}\sqrt{N_j})` (:data:`SAME_FUNCTION_SAFETY`, ``precision`` p),
+
+    .. math:: |y_i - y^{64}_i| \le b_j M_i + K_i,
+
+    a worst-case rounding bound, 8x the per-entry bound of the verdict. Entries not finite as called are left to the
+    forward check. A rounding model cannot explain an error beyond it: the float64 run computes another function.
+    """
+    model = prec.ErrorModel(precision, SAME_FUNCTION_SAFETY, "")
+    worst, at = 0.0, None
+    for j, (y, r, m, n, k) in enumerate(zip(y_called, y64, m_y, n_y, kinks)):
+        y, r, m = (np.asarray(x, np.float64) for x in (y, r, m))
+        b = model.bound(n)
+        mm = m + (np.asarray(k, np.float64) / b if k is not None else 0.0)
+        with np.errstate(invalid="ignore"):
+            e = np.where(np.isfinite(y), _normalized_error(y, r, mm), 0.0) / b  # in units of the bound
+        if e.size and float(np.max(e)) > worst:
+            worst = float(np.max(e))
+            at = (j, tuple(int(i) for i in np.unravel_index(int(np.argmax(e)), e.shape)), n, b)
+    name = f"same function in float64 ({what})"
+    if at is None or worst <= 1.0:
+        return Check(name, True, f"{what}'s forward in {called} and in float64 at the same inputs agree to "
+                     f"{worst:.2g}x the bound {model.formula()}*sum|terms| of {precision} rounding")
+    j, idx, n, b = at
+    entry, point = (idx[1:], f" at point {idx[0]}") if replicas else (idx, "")
+    where = ", ".join(w for w in (f"output {j}" if len(y_called) > 1 else "", f"entry {entry}" if entry else "",
+                                  point.strip()) if w)
+    return Check(name, False,
+                 f"{what} evaluated in float64 is not the function called in {called}: its forward differs by "
+                 f"{worst * b:.1e}*sum|terms|{f' ({where})' if where else ''}, {worst:.3g}x the bound of {precision} rounding "
+                 f"({model.formula()} = {b:.1e}, N={n}); a value inside {what} that does not come from its inputs "
+                 "depends on the dtype, e.g. a random draw or a constant in the default dtype (float64 under x64): "
+                 "create it in an explicit dtype. The float64 runs and the rounding model test another function "
+                 "until then")
