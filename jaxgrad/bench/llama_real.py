@@ -68,7 +68,9 @@ bytes a projection parameter; ``peak - frozen`` is what the step itself costs.
 (never run) at abstract arguments, ``memory_analysis()`` temp + arguments + outputs against the device's memory
 (``bytes_limit``: JAX's allocator limit, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device, 0.95 unless set, as
 for the runs; ``--device-memory-gib`` elsewhere), doubling from ``--context-start`` then bisecting to a multiple of
-``--context-step``. Nothing is offloaded to the host.
+``--context-step``. Nothing is offloaded to the host, except with ``--checkpointing offload`` (each block's input
+held in host memory until the backward: :func:`jaxgrad.lora.model.apply`); the host bytes the compiled step holds
+(``host_temp_size_in_bytes`` where XLA reports it) are printed beside each size, not counted against the device.
 """
 
 from __future__ import annotations
@@ -419,6 +421,9 @@ def compiled_bytes_at(s: dict, seq: int) -> int | None:
         if _is_oom(err):
             return None
         raise
+    host = getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", None)
+    if host:
+        print(f"#     host memory of the compiled step at seq {seq}: {host / 2**30:.2f} GiB", flush=True)
     return bm.compiled_memory(compiled)["total_bytes"]
 
 
@@ -476,7 +481,9 @@ def max_context(s: dict, *, step: int, limit_bytes: int, start: int | None = Non
     return {"max_seq": lo, "first_too_big": hi, "step": step, "limit_bytes": limit_bytes, "complete": complete,
             "compiled_bytes": {str(k): v for k, v in sorted(tried.items())}, "published": UNSLOTH_CONTEXT,
             "rule": "largest multiple of step whose compiled jaxgrad step (batch 1) has temp + arguments + outputs "
-                    "<= the device's bytes_limit; no host offload"}
+                    "<= the device's bytes_limit; " + ("each block's input offloaded to host memory (checkpointing "
+                                                        "offload), host bytes not counted"
+                                                        if s["checkpointing"] == "offload" else "no host offload")}
 
 
 # ----------------------------------------------------------------------------------------------------- the CLI
