@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 from jaxgrad.lora.config import CHECKPOINT_POLICIES
 from jaxgrad.lora.hf import quantize_projections
 from jaxgrad.lora.model import apply, causal_lm_loss, head_weight, hidden_states
-from jaxgrad.lora.task import load_base, load_tokenizer_of, lora_mask, make_task
+from jaxgrad.lora.task import _packing_args, load_base, load_tokenizer_of, lora_mask, make_task
 from jaxgrad.lora.task_config import LoraFit, resolve_path
 from jaxgrad.ops.lm_head_loss import lm_head_loss
 from jaxgrad.ops.nf4 import NF4Weight
@@ -112,14 +112,6 @@ def gather_policy(gradient_checkpointing: str):
 
 
 # ------------------------------------------------------------------------------------------------------ loss
-
-
-def _packing_args(batch) -> dict:
-    if "segment_ids" in batch:
-        return {"positions": batch["positions"], "segment_ids": batch["segment_ids"]}
-    if "attention_mask" in batch:
-        return {"attention_mask": batch["attention_mask"]}
-    return {}
 
 
 def _split_projections(base: dict) -> tuple[dict, list]:
