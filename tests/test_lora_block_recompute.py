@@ -71,3 +71,25 @@ def test_a_bad_choice_is_named():
     with pytest.raises(ValueError, match=r"'block_recompute' must be one of \('shared', 'mlp', 'all'\), got 'some'"):
         dataclasses.replace(CFG, block_recompute="some")
     assert np.all([dataclasses.replace(CFG, block_recompute=r).block_recompute == r for r in BLOCK_RECOMPUTE])
+
+
+@pytest.mark.slow  # ~60 s on the 2-core CPU: the verifier compiles the block's many primitives
+def test_the_block_recomputing_both_halves_for_real_is_verified_in_bf16():
+    """``block_recompute = "all"`` (both barriers, weights included) in bf16: the verifier's verdict of the default
+    path (tests/test_lora_block.py)."""
+    from test_lora_block import CFG as BLOCK_CFG
+    from test_lora_block import LCFG as BLOCK_LCFG
+    from test_lora_block import _split_norms, assert_block_vjp_verified, make_block
+
+    from jaxgrad.lora.block import block, block_reference
+
+    cfg = dataclasses.replace(BLOCK_CFG, block_recompute="all")
+    params, lora, x = make_block(4, jnp.bfloat16)
+    frozen, norms = _split_norms(params)
+
+    def fn(x, lora, norms):
+        return block({**frozen, **norms}, lora, x, cfg, BLOCK_LCFG)
+
+    def ref(x, lora, norms):
+        return block_reference({**frozen, **norms}, lora, x, BLOCK_CFG, BLOCK_LCFG)
+    assert_block_vjp_verified(fn, ref, x, lora, norms, arg_names=("x", "lora", "norms"))
