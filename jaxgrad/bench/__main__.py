@@ -56,6 +56,7 @@ TOOLS: dict[str, str] = {
     "nf4_matmul": "jaxgrad.bench.nf4_matmul",
     "tf32_rounding": "jaxgrad.bench.tf32_rounding",
     "llama_real": "jaxgrad.bench.llama_real",
+    "llama_memory": "jaxgrad.bench.llama_memory",
 }
 FRESH_PROCESS_SUITES = ("lora", "lora_model", "lm_head")  # each variant in a child process: --variants, --budget-s
 #: runs/bench (jaxgrad.bench.harness.DEFAULT_RESULTS_DIR, spelled out: importing the harness imports JAX, which a
