@@ -436,8 +436,9 @@ def check_vjp(
                     y64_fn = [_np64(y) for y in jax.tree.leaves(cost.jit(fn)(*args64))]
                 except Exception:  # noqa: BLE001 - fn refuses float64: the re-run below says so
                     y64_fn = None
-                if y64_fn is not None:
-                    checks.append(same_function_check("fn", p, y_lo, y64_fn, m_y, n_y, kinks[:n_out], q))
+                if y64_fn is not None:  # at the coarsest rounding fn's own program shows on its way to the outputs
+                    q_fn = functools.reduce(coarser, [o.judged for o in prog[:n_out]], q) if prog is not None else q
+                    checks.append(same_function_check("fn", p, y_lo, y64_fn, m_y, n_y, kinks[:n_out], q_fn))
         # 3. float64 re-run
         # Run at a point whose values fill all 53 bits: bf16/f32-representable inputs make the products of a
         # low-precision kernel exact, which would pass its forward off as float64 while its backward is not.
