@@ -98,6 +98,19 @@ def test_a_flawed_reference_alone_fails(h):
     assert not ref_check.passed and "the reference evaluated in float64 is not the function" in ref_check.detail
 
 
+def test_a_flawed_fn_beside_a_sound_reference_is_judged_as_called_with_a_note(h):
+    """fn draws in the default dtype, the reference in float32: as called both use the same head and fn's VJP is
+    right. fn's float64 run is another function, so it is not used as evidence (its forward disagrees with the
+    reference's float64 forward): the verdict rests on the as-called run and a note says what fn does in float64."""
+    fn, reference = frozen_head_loss(None, jnp.float32)
+    report = check_vjp(fn, reference, h, arg_names=("h",))
+    assert report.passed, str(report)
+    assert not checks_named(report, "fn") and all(c.passed for c in checks_named(report, "the reference"))
+    assert [lf.run for lf in report.leaves] == ["f32"]  # no float64 row: fn's float64 run is not the function called
+    (note,) = [n for n in report.notes if "fn evaluated in float64 is not the function called in f32" in n]
+    assert "not used" in note and "a random draw or a constant in the default dtype" in note
+
+
 def test_the_bound_is_the_worst_case_rounding_of_the_precision():
     """Per entry ``|y - y64| <= C (u_p + u_f32 sqrt(N)) sum|terms| + K`` with C = SAME_FUNCTION_SAFETY: at the bound
     it passes, 1.5x beyond it fails; a kink's jump ``K`` widens it where the branch may flip."""
