@@ -11,15 +11,10 @@ layers of 4 MiB). Bad layouts are refused with the key named.
 
 The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from fake_devices import run_report
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # one subprocess for the module: ~60 s on the 2-core CPU, mostly XLA compiles
 
 _CHILD = r"""
@@ -122,12 +117,7 @@ print("REPORT" + json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
-    return json.loads(line[len("REPORT"):])
+    return run_report(_CHILD)
 
 
 def _runs(report):

@@ -6,15 +6,10 @@ resuming layout says).
 
 The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from fake_devices import run_report
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import json, shutil, sys, tempfile, pathlib
@@ -74,12 +69,7 @@ print("REPORT" + json.dumps(report))
 
 @pytest.mark.slow
 def test_a_checkpoint_of_n_devices_resumes_on_m_bit_identically_and_trains_on_identically():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
-    report = json.loads(line[len("REPORT"):])
+    report = run_report(_CHILD)
     assert set(report) == {"lora 8->1", "lora 1->8", "lora 4->2", "qlora 8->1"}
     for name, r in report.items():
         m = int(name.split("->")[1])

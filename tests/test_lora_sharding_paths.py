@@ -6,15 +6,10 @@ draws the same masks on ``fsdp`` 8 as on ``data`` 8 (each batch shard folds its 
 
 The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from fake_devices import run_report
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import json
@@ -61,12 +56,7 @@ print("REPORT" + json.dumps(report))
 
 @pytest.mark.slow  # ~55 s on the 2-core CPU (Pallas interpret mode, XLA compiles)
 def test_every_path_of_the_lora_step_trains_sharded_as_on_one_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
-    report = json.loads(line[len("REPORT"):])
+    report = run_report(_CHILD)
     assert len(report) == 7
     for name, r in report.items():
         assert r["params"] <= 1e-12 and r["losses"] <= 1e-12, (name, r)

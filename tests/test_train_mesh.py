@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from fake_devices import run_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -94,14 +95,7 @@ print("REPORT" + json.dumps(report))
 
 @pytest.mark.slow
 def test_eight_fake_devices_match_one_device():
-    # the checks are dominated by XLA compile time; the unoptimised CPU backend compiles faster (same arithmetic:
-    # no fast-math, and the 1e-14 comparison is between two programs of the same flags)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
-    report = json.loads(line[len("REPORT"):])
+    report = run_report(_CHILD)
     for name, r in report.items():
         if name == "indivisible":
             continue
