@@ -172,8 +172,8 @@ def same_function_check(what: str, called: str, y_called, y64, m_y, n_y, kinks, 
     r"""``what`` (``"fn"`` or ``"the reference"``) evaluated in float64 is the function called at ``called``.
 
     ``y_called[j]``: flat forward output ``j`` as called (``replicas``: ``[K, *shape]``, at K points); ``y64[j]``:
-    the same in float64 at the same inputs; ``m_y[j]``, ``n_y[j]``: its sum|terms| and longest accumulation; ``kinks[j]``: the
-    absolute jump of a branch its rounding may flip (or ``None``). Per entry, with
+    the same in float64 at the same inputs; ``m_y[j]``, ``n_y[j]``: its sum|terms| and longest accumulation;
+    ``kinks[j]``: the absolute jump of a branch its rounding may flip (or ``None``). Per entry, with
     :math:`b_j = C (u_p + u_{f32}\sqrt{N_j})` (:data:`SAME_FUNCTION_SAFETY`, ``precision`` p),
 
     .. math:: |y_i - y^{64}_i| \le b_j M_i + K_i,
@@ -202,8 +202,9 @@ def same_function_check(what: str, called: str, y_called, y64, m_y, n_y, kinks, 
                                   point.strip()) if w)
     return Check(name, False,
                  f"{what} evaluated in float64 is not the function called in {called}: its forward differs by "
-                 f"{worst * b:.1e}*sum|terms|{f' ({where})' if where else ''}, {worst:.3g}x the bound of {precision} rounding "
-                 f"({model.formula()} = {b:.1e}, N={n}); a value inside {what} that does not come from its inputs "
+                 f"{worst * b:.1e}*sum|terms|{f' ({where})' if where else ''}, {worst:.3g}x the bound of "
+                 f"{precision} rounding ({model.formula()} = {b:.1e}, N={n}); a value inside {what} that does not "
+                 "come from its inputs "
                  "depends on the dtype, e.g. a random draw or a constant in the default dtype (float64 under x64): "
                  "create it in an explicit dtype. The float64 runs and the rounding model test another function "
                  "until then")
