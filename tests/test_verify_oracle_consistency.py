@@ -125,3 +125,17 @@ def test_the_bound_is_the_worst_case_rounding_of_the_precision():
     flipped = y64 + np.array([0.0, 0.0, 0.0, 3.0 * b * 2.0])
     assert same_function_check("fn", "tf32", [flipped], [y64], [m], [n], [kink], "tf32").passed
     assert not same_function_check("fn", "tf32", [flipped], [y64], [m], [n], [None], "tf32").passed
+
+
+def test_a_closed_over_host_constant_keeps_the_statistical_verdict():
+    """A frozen weight held as a NumPy array and closed over (an audit's ``frozen_normal``) is a NumPy-backed literal
+    of the traced program; the reference's emulated rounding reorders its sums like any operand's."""
+    w = np.random.default_rng(0).standard_normal((12, 7)).astype(np.float32)
+
+    def fn(x):
+        return jnp.tanh(x @ jnp.asarray(w, x.dtype))
+
+    x = jax.random.normal(jax.random.key(1), (5, 12))
+    report = check_vjp(fn, fn, x)
+    assert report.passed
+    assert not any("statistical verdict skipped" in note for note in report.notes), report.notes

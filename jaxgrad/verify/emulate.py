@@ -97,8 +97,9 @@ class _Orders:
 
 
 def _take(x, perm, axis: int):
-    """``x`` with its ``axis`` in the order ``perm`` (a permutation: every index in bounds)."""
-    return x.at[(slice(None),) * axis + (perm,)].get(mode="promise_in_bounds", unique_indices=True)
+    """``x`` with its ``axis`` in the order ``perm`` (a permutation: every index in bounds). ``x`` may be a constant
+    of the traced program held as a NumPy-backed literal (a closed-over host array), which has no ``.at``."""
+    return jnp.asarray(x).at[(slice(None),) * axis + (perm,)].get(mode="promise_in_bounds", unique_indices=True)
 
 
 def _reorder(prim: str, ins: list, params: dict, orders: _Orders) -> list:
