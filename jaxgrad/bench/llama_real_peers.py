@@ -16,13 +16,12 @@ linear cross-entropy).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 import numpy as np
 
-from jaxgrad.bench import fresh_process
+from jaxgrad.bench import fresh_process, peers
 
 ROW_TAG = fresh_process.ROW_TAG
 SUITE = "llama_real"
@@ -44,8 +43,7 @@ def missing(variant: str, s: dict) -> str | None:
     """Why a torch ``variant`` cannot run here (None if its imports are there); checked without importing torch."""
     needed = ["torch", "transformers", "peft"] + (["bitsandbytes"] if s["qlora"] else []) + \
         (["liger_kernel"] if "Liger" in variant else [])
-    gone = [m for m in needed if importlib.util.find_spec(m) is None]
-    return f"skipped: {', '.join(gone)} not installed" if gone else None
+    return peers.missing_modules(needed)
 
 
 def skip_reason(variant: str, s: dict) -> str | None:
@@ -96,15 +94,12 @@ def quantize_to_nf4(model, torch) -> int:
 
 def run_torch_variant(variant: str, s: dict, row, *, repeats: int, warmup: int):
     """Build, time and measure one torch peer in this process into ``row`` (CUDA only; an OOM is a result)."""
-    why = missing(variant, s)
+    why = peers.cuda_unavailable(missing(variant, s))
     if why:
         row.notes = why
         return row
     import torch
 
-    if not torch.cuda.is_available():
-        row.notes = "skipped: torch sees no CUDA device"
-        return row
     import peft
     import transformers
 

@@ -295,9 +295,7 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
 # -------------------------------------------------------------------------------------------------- the torch side
 def torch_missing(impl: str) -> str | None:
     """Why a torch variant cannot run here, as far as installed packages go (``None`` if it may)."""
-    missing = [m for m in ("torch", *(("liger_kernel",) if impl == LIGER else ())) if importlib.util.find_spec(m)
-               is None]
-    return f"skipped: {', '.join(missing)} not installed" if missing else None
+    return peers.missing_modules(("torch", *(("liger_kernel",) if impl == LIGER else ())))
 
 
 def run_torch_variant(name: str, sizes: str, *, repeats: int, warmup: int, precision: str = "default") -> bm.Row:
@@ -305,16 +303,13 @@ def run_torch_variant(name: str, sizes: str, *, repeats: int, warmup: int, preci
     v = variant(name, sizes)
     s = SHAPES[sizes][v.model]
     row = _row(v, sizes, precision)
-    why = torch_missing(v.impl)
+    why = peers.cuda_unavailable(torch_missing(v.impl))
     if why:
         row.notes = why
         return row
     import torch
     import torch.nn.functional as F
 
-    if not torch.cuda.is_available():
-        row.notes = "skipped: torch sees no CUDA device"
-        return row
     flce, versions = None, f"torch {torch.__version__}"
     if v.impl == LIGER:
         try:

@@ -65,7 +65,7 @@ import numpy as np
 from jaxgrad.bench import harness as bm
 from jaxgrad.bench.fresh_process import child_main, compile_and_time, run_fresh_suite, select_variants
 from jaxgrad.bench.fresh_process import run_in_fresh_process as _run_in_fresh_process
-from jaxgrad.bench.peers import sdpa_llama_config, time_torch, torch_missing
+from jaxgrad.bench.peers import cuda_unavailable, sdpa_llama_config, time_torch, torch_missing
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig
 
 SIZES = {
@@ -268,7 +268,7 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
     flops = block_flops(**s)["total"]
     row = bm.Row(suite="lora", variant=TORCH_VARIANT, sizes=dict(s), dtype="bf16", precision=precision,
                  flops=flops, bytes_moved=block_bytes(s))
-    why = torch_missing()
+    why = cuda_unavailable(torch_missing())
     if why:
         row.notes = why
         return row
@@ -277,9 +277,6 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
     import transformers
     from transformers.models.llama import modeling_llama
 
-    if not torch.cuda.is_available():
-        row.notes = "skipped: torch sees no CUDA device"
-        return row
     dev, dt = "cuda", torch.bfloat16
     kw = dict(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
               num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-5,

@@ -291,7 +291,7 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
     """transformers ``LlamaForCausalLM`` + ``peft.get_peft_model`` + fused AdamW, bf16 base, SDPA (CUDA only)."""
     s = SIZES[sizes]
     row = _row(TORCH_VARIANT, s, precision)
-    why = peers.torch_missing()
+    why = peers.cuda_unavailable(peers.torch_missing())
     if why:
         row.notes = why
         return row
@@ -299,9 +299,6 @@ def run_torch_variant(sizes: str, *, repeats: int, warmup: int, precision: str =
     import torch
     import transformers
 
-    if not torch.cuda.is_available():
-        row.notes = "skipped: torch sees no CUDA device"
-        return row
     dev = "cuda"
     cfg = _hf_config(transformers, s)
     default_dtype = torch.get_default_dtype()

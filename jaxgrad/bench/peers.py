@@ -35,10 +35,26 @@ def sdpa_llama_config(transformers, rope_theta: float, **kw):
     return cfg
 
 
+def missing_modules(names) -> str | None:
+    """``"skipped: ... not installed"`` naming the modules of ``names`` that are not installed (checked without
+    importing them), or None."""
+    gone = [m for m in names if importlib.util.find_spec(m) is None]
+    return f"skipped: {', '.join(gone)} not installed" if gone else None
+
+
 def torch_missing() -> str | None:
     """Why the torch variant cannot run here (None if it can, as far as imports go)."""
-    missing = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
-    return f"skipped: {', '.join(missing)} not installed" if missing else None
+    return missing_modules(("torch", "transformers", "peft"))
+
+
+def cuda_unavailable(why_missing: str | None) -> str | None:
+    """Why a torch peer cannot run here: ``why_missing`` (its packages) if set, else whether torch sees a CUDA
+    device (torch is imported only then); None if it can run."""
+    if why_missing:
+        return why_missing
+    import torch
+
+    return None if torch.cuda.is_available() else "skipped: torch sees no CUDA device"
 
 
 def time_torch(step, row: bm.Row, *, warmup: int, repeats: int) -> None:
