@@ -43,7 +43,10 @@ def test_the_variants_are_the_fused_chunkings_the_plain_loss_and_the_torch_peers
         assert names[names.index(f"{model} jaxgrad fused ct=1024 cv=all bf16 dh") + 1:][:4] == [
             f"{model} jax.grad plain bf16 dh", f"{model} torch F.linear+F.cross_entropy bf16 dh",
             f"{model} torch liger FLCE bf16 dh", f"{model} jaxgrad fused recompute ct=1024 cv=all bf16 dh"]
-    assert len(names) == 2 * 10 and all(n.endswith(" bf16 dh") for n in names)
+    assert len(names) == 2 * 11 and all(n.endswith(" bf16 dh") for n in names)
+    for model in ("1B", "8B"):  # the frozen head's products alone follow its recompute row
+        assert names.index(f"{model} products only ct=1024 bf16 dh") == names.index(
+            f"{model} jaxgrad fused recompute ct=1024 cv=all bf16 dh") + 1
     with_dw = bench.variant_names("full", head_grad=True)
     assert len(with_dw) == 2 * 9 and all(n.endswith(" bf16 dh+dW") for n in with_dw)
     v = bench.variant("8B jaxgrad fused ct=512 cv=32768 bf16 dh+dW", "full")
@@ -85,6 +88,23 @@ def test_the_timed_steps_compute_the_same_loss_and_gradients_and_the_fused_one_h
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
     mem_f, mem_p = (bm.compiled_memory(bm.compile_fn(bench.jax_step(v), *args)) for v in (fused, plain))
     assert mem_f["temp_bytes"] < mem_p["temp_bytes"] / 4  # [16, 256] blocks, not [128, 1024] logits
+
+
+def test_the_products_only_row_is_the_fused_heads_two_products_without_the_softmax():
+    s = bench.SHAPES["small"]["8B"]
+    h, w, labels = bench.jax_inputs(s, "f32")
+    total, dh = jax.jit(bench.jax_step(bench.Variant("8B", bench.PRODUCTS, "f32", False, 16)))(h, w, labels)
+    z = np.einsum("bth,vh->btv", np.asarray(h, np.float64), np.asarray(w, np.float64))
+    want = np.einsum("btv,vh->bth", z, np.asarray(w, np.float64))
+    assert dh.shape == h.shape and dh.dtype == h.dtype
+    np.testing.assert_allclose(np.asarray(dh), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert float(total) == pytest.approx(want.sum(), rel=1e-3, abs=1e-3 * np.abs(want).sum())
+    with pytest.raises(ValueError, match="must divide the 128 token rows"):
+        jax.jit(bench.products_step(48))(h, w, labels)
+    rows = [bm.Row(suite="lm_head", variant=n, sizes={}, dtype="bf16", precision="default", median_ms=ms)
+            for n, ms in (("8B jaxgrad fused ct=16 cv=all bf16 dh", 10.0), ("8B products only ct=16 bf16 dh", 8.0))]
+    (line,) = [ln for ln in bench.summary_lines(rows, "small") if ln.startswith("8B products only")]
+    assert "takes 2.000 ms more (20% of its time" in line
 
 
 def _run_small(tmp_path, variants):

@@ -31,6 +31,11 @@ Variants (named ``<model> <implementation> <dtype> <gradients>``):
 * ``torch F.linear+F.cross_entropy``: what HF's ``LlamaForCausalLM`` does: ``F.linear`` under bf16 autocast, the
   logits upcast to fp32 (``logits.float()``), ``F.cross_entropy(ignore_index=-100, reduction="sum")`` on the
   shifted labels, ``torch.autograd.grad``;
+* ``products only ct=C`` (``dh`` rows, the default chunking): the frozen head's two products per token chunk as the
+  fused loss forms them (``Z = h_c W^T`` accumulated in fp32, rounded to the operands' dtype, ``Z W`` accumulated in
+  fp32) with no softmax, log-sum-exp or target in between: what XLA's library matmuls alone take at the fused
+  loss's shapes. ``jaxgrad fused`` minus this row is the elementwise work a kernel fusing the softmax into the
+  matmuls could remove at most (the products themselves it could only match cuBLAS on); not a loss;
 * ``torch liger FLCE``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss(reduction="sum")`` (its gradient computed
   chunk by chunk during the forward), where ``liger_kernel`` imports; otherwise its row says why it was skipped.
 
@@ -93,6 +98,8 @@ FUSED, PLAIN, TORCH, LIGER = "jaxgrad fused", "jax.grad plain", "torch F.linear+
 #: the fused loss with the head's gradient path (its backward recomputes the logits), timed for ``dh`` only: what a
 #: frozen head costs without ``head_grad=False``
 FUSED_RECOMPUTE = "jaxgrad fused recompute"
+#: the fused frozen head's two products alone (no softmax): the library-matmul part of ``FUSED``'s time
+PRODUCTS = "products only"
 H100_BF16, H100_TF32 = PEAKS["H100 SXM"].bf16_flops, PEAKS["H100 SXM"].tf32_flops
 
 
@@ -110,7 +117,7 @@ class Variant:
     @property
     def name(self) -> str:
         chunking = (f" ct={self.chunk_tokens} cv={self.chunk_vocab or 'all'}" if self.impl in (FUSED, FUSED_RECOMPUTE)
-                    else "")
+                    else f" ct={self.chunk_tokens}" if self.impl == PRODUCTS else "")
         return f"{self.model} {self.impl}{chunking} {self.dtype} {'dh+dW' if self.head_grad else 'dh'}"
 
     @property
@@ -120,15 +127,16 @@ class Variant:
 
 def _variants(sizes: str, head_grad: bool, dtype: str) -> list[Variant]:
     """The variants of one dtype in run order: per model, the fused loss at its default chunking, the plain loss,
-    the torch peers, the fused loss through its head-gradient path (``dh`` rows), then the other chunkings (a spent
-    ``--budget-s`` cuts the tail)."""
+    the torch peers, the fused loss through its head-gradient path and its products alone (``dh`` rows), then the
+    other chunkings (a spent ``--budget-s`` cuts the tail)."""
     chunks = CHUNKS[sizes]
     out = []
     for model in SHAPES[sizes]:
         fused = [Variant(model, FUSED, dtype, head_grad, ct, cv) for ct in chunks["tokens"] for cv in chunks["vocab"]]
         if dtype == "bf16":
             recompute = [] if head_grad else [Variant(model, FUSED_RECOMPUTE, dtype, False, *chunks["tokens"][:1],
-                                                      chunks["vocab"][0])]
+                                                      chunks["vocab"][0]),
+                                              Variant(model, PRODUCTS, dtype, False, chunks["tokens"][0])]
             out += [fused[0], Variant(model, PLAIN, dtype, head_grad), Variant(model, TORCH, dtype, head_grad),
                     Variant(model, LIGER, dtype, head_grad), *recompute, *fused[1:]]
         else:  # f32: the default chunking against the two plain losses
@@ -188,6 +196,8 @@ def _row(v: Variant, sizes: str, precision: str) -> bm.Row:
                  bytes_moved=head_bytes(s, v.head_grad, 2 if v.dtype == "bf16" else 4))
     if v.impl in (FUSED, FUSED_RECOMPUTE):
         row.sizes.update(chunk_tokens=v.chunk_tokens, chunk_vocab=v.chunk_vocab)
+    elif v.impl == PRODUCTS:
+        row.sizes.update(chunk_tokens=v.chunk_tokens)
     return row
 
 
@@ -250,10 +260,40 @@ def plain_loss(h, w, labels):
     return jnp.sum(token_losses(logits.astype(h.dtype), labels, IGNORE_INDEX)[0])
 
 
+def products_step(chunk_tokens: int):
+    """``step(h, w, labels) -> (sum(dh), dh)``: per ``chunk_tokens`` rows, ``Z = h_c W^T`` (fp32 accumulation, rounded
+    to ``h``'s dtype) and ``dh_c = Z W`` (fp32 accumulation), as :func:`jaxgrad.ops.lm_head_loss.lm_head_loss`'s
+    frozen head forms them, without the softmax between (``chunk_tokens`` divides the token rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(h, w, labels):
+        del labels
+        h2 = h.reshape(-1, h.shape[-1])
+        n, ct = h2.shape[0], min(chunk_tokens, h2.shape[0])
+        if n % ct:
+            raise ValueError(f"{SUITE} bench: products only: chunk_tokens = {chunk_tokens} must divide the "
+                             f"{n} token rows")
+        acc = jnp.promote_types(h.dtype, jnp.float32)
+
+        def chunk(i):
+            hc = jax.lax.dynamic_slice_in_dim(h2, i * ct, ct, axis=0)
+            z = jnp.einsum("ch,vh->cv", hc, w, preferred_element_type=acc).astype(h.dtype)
+            return jnp.einsum("cv,vh->ch", z, w, preferred_element_type=acc)
+
+        dh = jax.lax.map(chunk, jnp.arange(n // ct)).reshape(n, h.shape[-1])
+        return jnp.sum(dh), dh.astype(h.dtype).reshape(h.shape)
+
+    return step
+
+
 def jax_step(v: Variant):
     """``step(h, w, labels) -> (loss, dh)`` or ``(loss, (dh, dW))`` with the head's gradient: ``jax.value_and_grad``
-    of the variant's summed loss."""
+    of the variant's summed loss (:func:`products_step` for the products-only row)."""
     import jax
+
+    if v.impl == PRODUCTS:
+        return products_step(v.chunk_tokens)
 
     from jaxgrad.ops.lm_head_loss import lm_head_loss
 
@@ -280,9 +320,14 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     args = jax_inputs(s, v.dtype)
     compiled, peak_compile = fresh_process.compile_and_time(row, jax_step(v), args, warmup=warmup, repeats=repeats)
     loss = float(compiled(*args)[0])
+    if v.impl == PRODUCTS:
+        loss = float("nan")  # not a loss: the products alone
     extra = ["fresh process", "memory: " + ("device peak" if row.peak_bytes is not None
                                             else "compiled argument + output + temp (no device allocator stats)")]
-    if v.impl == FUSED_RECOMPUTE or (v.impl == FUSED and v.head_grad):
+    if v.impl == PRODUCTS:
+        extra.append("the frozen head's two products per chunk, no softmax: the library-matmul part of the fused "
+                     "row at this chunking (no loss)")
+    elif v.impl == FUSED_RECOMPUTE or (v.impl == FUSED and v.head_grad):
         extra.append("recomputes the logits in the backward (+2NVH, not in the floor)")
     elif v.impl == FUSED:
         extra.append("head frozen (head_grad=False): dh formed in the forward from its logits" +
@@ -389,6 +434,11 @@ def summary_lines(rows: list[bm.Row], sizes: str) -> list[str]:
             base_mem = memory_of_row(base)
             if mem is not None and base_mem and (r.peak_bytes is None) == (base.peak_bytes is None):
                 line += f", {mem / base_mem:.2f}x its {'peak' if r.peak_bytes is not None else 'compiled bytes'}"
+        if v.impl == PRODUCTS:
+            fused = by_name.get(Variant(v.model, FUSED, v.dtype, False, v.chunk_tokens, None).name)
+            if fused is not None and fused.median_ms:
+                line += (f"; the fused loss at this chunking takes {fused.median_ms - r.median_ms:.3f} ms more "
+                         f"({1 - r.median_ms / fused.median_ms:.0%} of its time: softmax, log-sum-exp, targets)")
         lines.append(line)
     return lines
 
