@@ -4,7 +4,7 @@
                                   [--precision default|highest] [--variants SUBSTR,...] [--budget-s S]
     python -m jaxgrad.bench TOOL [its own options]     # verify_cost, verify_false_alarms, verify_detection_limits,
                                                        # verify_detection_timing, lora_profile, lora_curve_drift,
-                                                       # nf4_matmul, tf32_rounding, llama_real
+                                                       # nf4_matmul, tf32_rounding, llama_real, scaling
 
 A timing suite (:data:`SUITES`) prints its table and writes it to
 ``<out>/<suite>-<device>-<precision>-<YYYYmmdd>-<HHMMSS>.{json,txt}`` (UTC;
@@ -57,6 +57,7 @@ TOOLS: dict[str, str] = {
     "tf32_rounding": "jaxgrad.bench.tf32_rounding",
     "llama_real": "jaxgrad.bench.llama_real",
     "llama_memory": "jaxgrad.bench.llama_memory",
+    "scaling": "jaxgrad.bench.scaling",
 }
 FRESH_PROCESS_SUITES = ("lora", "lora_model", "lm_head")  # each variant in a child process: --variants, --budget-s
 #: runs/bench (jaxgrad.bench.harness.DEFAULT_RESULTS_DIR, spelled out: importing the harness imports JAX, which a
