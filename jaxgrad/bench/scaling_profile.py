@@ -15,7 +15,8 @@ names one (XLA names the instruction after its opcode, ``all-gather-start.3``; N
 
 ``exposed`` is the collective time no compute kernel of that device overlaps: what communication adds to the step
 if nothing else stalls. NCCL runs on its own streams, so ``t_c`` may overlap compute and need not add to the step.
-On the CPU (fake devices, tests) the trace's op events carry no device: every device's events form one group.
+On the CPU (fake devices, tests) the trace's op events carry no device: every device's events form one group, its
+collective sums divided by the device count (each device runs each collective), its compute the union of all.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _device_groups(events: list[dict]) -> tuple[dict[str, list], str]:
     return groups, which
 
 
-def summarize(events: list[dict], steps: int) -> dict:
+def summarize(events: list[dict], steps: int, n_devices: int = 1) -> dict:
     """Per-step collective and compute milliseconds of each device (module docstring), and their means over the
     devices (``mean``) and maxima (``max``)."""
     groups, which = _device_groups(events)
@@ -93,10 +94,11 @@ def summarize(events: list[dict], steps: int) -> dict:
             else:
                 sums[kind] += ev.dur_us
                 coll.append(interval)
-        ms = {k: v / 1e3 / steps for k, v in sums.items()}
+        share = n_devices if name == "host" else 1  # the host group holds every device's collectives
+        ms = {k: v / 1e3 / steps / share for k, v in sums.items()}
         ms["collective"] = sum(ms[k] for k in COLLECTIVES)
         ms["compute"] = union_length(comp) / 1e3 / steps
-        ms["exposed_collective"] = exposed_length(coll, comp) / 1e3 / steps
+        ms["exposed_collective"] = exposed_length(coll, comp) / 1e3 / steps / share
         ms["events"] = len(evs)
         per_device[name] = ms
     keys = (*COLLECTIVES, "collective", "compute", "exposed_collective")
@@ -108,11 +110,11 @@ def summarize(events: list[dict], steps: int) -> dict:
     return {"steps": steps, "lines": which, "per_device": per_device, "mean": mean, "max": top}
 
 
-def profile_steps(run_step, steps: int, log_dir) -> dict:
+def profile_steps(run_step, steps: int, log_dir, n_devices: int = 1) -> dict:
     """Trace ``steps`` calls of ``run_step()`` (each waits for its result) and :func:`summarize` the trace."""
     import jax
 
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
         for _ in range(steps):
             run_step()
-    return summarize(hp.load_events(hp.find_trace(log_dir)), steps)
+    return summarize(hp.load_events(hp.find_trace(log_dir)), steps, n_devices)

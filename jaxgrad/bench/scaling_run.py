@@ -274,7 +274,7 @@ def measure(row: dict, devices) -> dict:
     if row["profile_steps"]:
         try:
             with tempfile.TemporaryDirectory(prefix="jaxgrad-scaling-trace-") as log_dir:
-                result["profile"] = profile_steps(one_step, row["profile_steps"], log_dir)
+                result["profile"] = profile_steps(one_step, row["profile_steps"], log_dir, len(devices))
         except Exception as err:  # noqa: BLE001 - a profile that cannot be taken is said, never invented
             result["profile_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:240] if str(err) else ''}"
     return result
