@@ -41,13 +41,6 @@ EXEMPT = {
     "jaxgrad.verify.planted_ops":
         "the planted-bug catalogue: hand-written VJPs with deliberate bugs (and their correct twins), the verifier's "
         "own examples (jaxgrad audit --planted)",
-    "jaxgrad.lora.model:_to_host":
-        "a memory placement (device to host) whose value is the identity and whose backward moves the cotangent "
-        "back; the LoRA gradients under gradient_checkpointing='offload' equal 'none' in float64 "
-        "(tests/test_lora_task_config.py) and on a GPU (tests/test_lora_offload_gpu.py)",
-    "jaxgrad.lora.model:_to_device":
-        "a memory placement (host to device) whose value is the identity and whose backward moves the cotangent "
-        "back; covered with _to_host by the offload tests",
     "jaxgrad.verify.calibration":
         "correct kernels that round as tensor cores do, on which the verifier's detection and false-alarm sweeps "
         "are calibrated: models of hardware rounding, not ops of the package",
