@@ -28,9 +28,11 @@ statistics; RoPE plain, base 500,000: the engine's from-scratch model has no lla
 same), tokens uniform in the vocabulary; Adam on the adapters (lr 3e-3).
 
 Per row (:mod:`jaxgrad.bench.scaling_run`): tokens/s (LoRA; samples/s for KAN and CNN) = items per step / median
-step, the scaling factor ``S_N = throughput_N / throughput_1`` against the same run's 1-device row and the weak-scaling
-efficiency ``S_N / N``; every device's ``peak_bytes_in_use`` (the maximum is shown); the frozen base's bytes per device
-and their ratio to the 1-device row's (1/N is the fsdp target); and, from a ``jax.profiler`` trace of
+step, the scaling factor ``S_N = throughput_N / throughput_1`` against the same run's 1-device row and the
+weak-scaling efficiency ``S_N / N``; every device's ``peak_bytes_in_use`` (the maximum is shown; a line under the
+table says when it was reached while the state was placed, before the first step); the frozen base's bytes per
+device and their ratio to the whole base's, what one device holds unsplit (1/N is the fsdp target); and, from a
+``jax.profiler`` trace of
 ``--profile-steps`` more steps (:mod:`jaxgrad.bench.scaling_profile`), the all-gather, reduce-scatter and all-reduce
 milliseconds per step, the compute time, and the collective time no compute overlaps (``exposed``), mean over the
 devices. A row that cannot be profiled says why. Targets (:func:`evaluate_targets`, issue 30): 8B QLoRA ``S_2 >=
@@ -39,8 +41,8 @@ vectors and the tiny NF4 second-level scales stay whole), judged from the measur
 
 Budget (``--budget-s``, default 520 s: a 9-minute run): a row starts only if its estimate (:func:`estimate_s`) fits
 what is left, else it is recorded as skipped; a started row gets what is left as its timeout. Split the workloads
-over several invocations (``--workloads``). ``--same-process`` runs the rows in this process (tests: the peak
-memory is then process-wide). ``--tiny``: tiny widths for the CPU (tests; fake devices with
+over several invocations (``--workloads``, run in the order given: the first get the budget first).
+``--same-process`` runs the rows in this process (tests: the peak memory is then process-wide). ``--tiny``: tiny widths for the CPU (tests; fake devices with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
 """
 
@@ -95,8 +97,10 @@ def lora_spec(workload: str, *, batch: int, seq: int | None, layers: int | None,
     base = dict(m, model="70b", layers=1, full_layers=80, batch=batch, seq=(real.TINY["seq"] if tiny else 4096)
                 if seq is None else seq, qlora=False, tiny=tiny, checkpointing=w["checkpointing"], backend="auto",
                 chunk_tokens=1024, **real.LORA)
+    fill = fill_layers(base, fill_devices, device_bytes)
+    base["fill_layers_estimate"] = fill
     if layers is None:
-        layers = TINY_LAYERS if tiny else fill_layers(base, fill_devices, device_bytes)
+        layers = TINY_LAYERS if tiny else fill
     if not isinstance(layers, int) or not 1 <= layers <= 80:
         raise ValueError(f"{SUITE}: --layers must be an int in [1, 80] (Llama-3.1-70B's depth), got {layers!r}")
     return dict(base, layers=layers)
@@ -310,6 +314,10 @@ def format_scaling_table(rows: list[dict]) -> str:
     for r in rows:
         if r.get("status") == "measured" and r.get("profile_error"):
             text.append(f"# {row_label(r)}: no profile: {r['profile_error']}")
+        setup = [p for p in r.get("setup_peak_bytes_per_device") or [] if p is not None]
+        if r.get("status") == "measured" and setup and max(setup) >= (r["peak_bytes_max"] or 0):
+            text.append(f"# {row_label(r)}: the peak was reached while placing the state, before the first step "
+                        f"(the step's own peak is at most {_gib(max(setup))} GiB)")
     return "\n".join(text) + "\n"
 
 
@@ -360,7 +368,8 @@ def _int_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m jaxgrad.bench {SUITE}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default=None, help=f"comma-separated substrings of {list(WORKLOADS)} (default: all)")
+    p.add_argument("--workloads", default=None, help=f"comma-separated substrings of {list(WORKLOADS)}, run in "
+                                                     "the order given (default: all, in this order)")
     p.add_argument("--devices", type=_int_list, default=[1, 2, 4], help="device counts (default: 1,2,4)")
     p.add_argument("--layouts", default="data,fsdp", help="LoRA layouts on 2+ devices (default: data,fsdp)")
     p.add_argument("--layers", type=int, default=None, help="llama-70b-shapes' layers (default: as many as fill "
@@ -383,7 +392,7 @@ def select_workloads(text: str | None) -> list[str]:
     if not text:
         return list(WORKLOADS)
     wanted = [t.strip() for t in text.split(",") if t.strip()]
-    names = [n for n in WORKLOADS if any(w in n for w in wanted)]
+    names = list(dict.fromkeys(n for w in wanted for n in WORKLOADS if w in n))  # in the order asked
     if not names:
         raise ValueError(f"--workloads {text!r} selects none of {list(WORKLOADS)}")
     return names

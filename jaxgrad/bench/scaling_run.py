@@ -13,7 +13,8 @@ runs it in a fresh one and prints the result after :data:`jaxgrad.bench.fresh_pr
 
 The batch is the per-device micro-batch times ``N`` (weak scaling), random tokens (LoRA: uniform in the vocabulary,
 labels = inputs) or uniform / normal inputs, put on the mesh once. Measured: the first step (compile + run), the
-median of ``repeats`` steps after ``warmup``, every device's ``peak_bytes_in_use``, the frozen base's bytes per device
+median of ``repeats`` steps after ``warmup``, every device's ``peak_bytes_in_use`` (also once the state is placed,
+before the first step, with ``bytes_in_use``: what setting up alone reached), the frozen base's bytes per device
 (:func:`jaxgrad.train.mesh.bytes_per_device`), then ``profile_steps`` more steps under ``jax.profiler``
 (:mod:`jaxgrad.bench.scaling_profile`). An out-of-memory error anywhere is a result (``status`` ``out of
 memory``); anything else propagates. :data:`INJECT_OOM` makes a named row fail as out of memory (tests).
@@ -181,15 +182,24 @@ BUILDERS = {"lora": build_lora, "kan": build_kan, "cnn": build_cnn}
 
 
 # ----------------------------------------------------------------------------------------------------- the row
-def peak_bytes(devices) -> list[int | None]:
+def _stat(devices, key: str) -> list[int | None]:
     out = []
     for d in devices:
         try:
             stats = d.memory_stats() or {}
         except Exception:  # noqa: BLE001 - a backend without allocator statistics
             stats = {}
-        out.append(None if "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"]))
+        out.append(None if key not in stats else int(stats[key]))
     return out
+
+
+def peak_bytes(devices) -> list[int | None]:
+    """Every device's ``peak_bytes_in_use`` (its high-water mark since this process started; None on the CPU)."""
+    return _stat(devices, "peak_bytes_in_use")
+
+
+def in_use_bytes(devices) -> list[int | None]:
+    return _stat(devices, "bytes_in_use")
 
 
 def global_bytes(tree) -> int:
@@ -237,6 +247,7 @@ def measure(row: dict, devices) -> dict:
     host, items = host_batch(row, len(devices))
     batch = shard_batch(host, mesh)
     jax.block_until_ready((state, batch))
+    setup_peaks, setup_in_use = peak_bytes(devices), in_use_bytes(devices)
     base_whole = base_bytes
     if row["family"] == "lora" and plan is not None:
         _, frozen = split_trainable(state["params"], lora_mask(state["params"]))
@@ -269,7 +280,9 @@ def measure(row: dict, devices) -> dict:
               "p90_ms": float(np.percentile(times, 90)), "min_ms": float(times.min()), "repeats_run": len(times),
               "setup_s": setup_s, "first_step_s": first_s, "items_per_step": items,
               "throughput": items / (median * 1e-3), "peak_bytes_per_device": peaks,
-              "base_bytes_per_device": base_bytes, "base_bytes_whole": base_whole, "state_bytes_per_device": bytes_per_device(holder[0]),
+              "base_bytes_per_device": base_bytes, "base_bytes_whole": base_whole,
+              "state_bytes_per_device": bytes_per_device(holder[0]),
+              "setup_peak_bytes_per_device": setup_peaks, "setup_in_use_bytes_per_device": setup_in_use,
               "losses": losses, "notes": notes + [task.describe]}
     if row["profile_steps"]:
         try:
