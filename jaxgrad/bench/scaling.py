@@ -42,8 +42,8 @@ vectors and the tiny NF4 second-level scales stay whole), judged from the measur
 Budget (``--budget-s``, default 520 s: a 9-minute run): a row starts only if its estimate (:func:`estimate_s`) fits
 what is left, else it is recorded as skipped; a started row gets what is left as its timeout. Split the workloads
 over several invocations (``--workloads``, run in the order given: the first get the budget first).
-``--same-process`` runs the rows in this process (tests: the peak memory is then process-wide). ``--tiny``: tiny widths for the CPU (tests; fake devices with
-``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
+``--same-process`` runs the rows in this process (tests: the peak memory is then process-wide). ``--tiny``: tiny
+widths for the CPU (tests; fake devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
 """
 
 from __future__ import annotations
