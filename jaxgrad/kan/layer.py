@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.checks import check_float_dtype, check_key, check_precision
+from jaxgrad.kan import fp16_scaled
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
@@ -287,11 +288,50 @@ def _coef(p):
     return p["spline_weight"] * p["spline_scaler"][..., None]
 
 
+def _is_fp16_scaled(precision) -> bool:
+    return isinstance(precision, str) and precision == fp16_scaled.FP16_SCALED
+
+
+def _check_precision(precision, backend, params, x) -> None:
+    """``precision``: a ``lax`` precision, or ``"fp16_scaled"`` on the XLA backend with float32 arrays (float64: the
+    verifier's re-run, the same products without the float16 rounding)."""
+    if not _is_fp16_scaled(precision):
+        try:
+            check_precision(precision, "kan_linear")
+        except ValueError:
+            raise ValueError(f"kan_linear: 'precision' must be None, a jax.lax.Precision or one of its names "
+                             f"('default', 'high', 'highest', 'tensorfloat32', ...), a pair of them, a "
+                             f"jax.lax.DotAlgorithmPreset, or '{fp16_scaled.FP16_SCALED}' (float16 operands scaled "
+                             f"by powers of two, float32 sums), got {precision!r}") from None
+        return
+    if backend != "xla":
+        raise ValueError(f"kan_linear: precision='{fp16_scaled.FP16_SCALED}' is implemented by backend='xla' (the "
+                         f"custom VJP in jnp) only, got backend={backend!r}")
+    dtypes = {"x": jnp.dtype(x.dtype), **{f"params['{n}']": jnp.dtype(jnp.result_type(params[n]))
+                                           for n in _TRAINABLE if n in params}}
+    wide = {jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)}
+    bad = next((n for n, d in dtypes.items() if d not in wide), None)
+    if bad is not None or len(set(dtypes.values())) != 1:
+        got = (f"{bad} {dtypes[bad]}" if bad is not None else
+               "; ".join(f"{n} {d}" for n, d in dtypes.items()) + " (one dtype for all)")
+        raise TypeError(f"kan_linear: precision='{fp16_scaled.FP16_SCALED}' takes float32 'x' and trained params "
+                        f"(float64 under jax_enable_x64: the same scaled products without the float16 rounding), "
+                        f"got {got}; a 16-bit layer rounds its operands already: use precision=None")
+
+
+def _mm(a, b, precision, a_bound=None):
+    """``a @ b`` of two 2-D arrays: at ``precision`` (a ``lax`` precision), or from power-of-two scaled float16
+    operands (``"fp16_scaled"``, :func:`jaxgrad.kan.fp16_scaled.matmul`; ``a_bound``: a known bound on ``|a|``)."""
+    if _is_fp16_scaled(precision):
+        return fp16_scaled.matmul(a, b, a_bound)
+    return jnp.matmul(a, b, precision=precision)
+
+
 def _forward_math(p, x, k, backend, precision, interpret):
     """``y[N, out]`` from ``x[N, in]``; every array already in the compute dtype."""
     out_f, in_f = p["base_weight"].shape
     silu, _ = _silu_and_slope(x)
-    y = jnp.matmul(silu, p["base_weight"].T, precision=precision)
+    y = _mm(silu, p["base_weight"].T, precision)
     coef = _coef(p)
     if backend == "pallas":
         from jaxgrad.kan import kernels  # lazy: the kernels module is optional for the XLA path
@@ -300,7 +340,7 @@ def _forward_math(p, x, k, backend, precision, interpret):
         y = y + spline.astype(y.dtype)
     else:
         phi = bspline_basis(x, p["grid"], k).reshape(x.shape[0], -1)  # [N, in*(G+k)]
-        y = y + jnp.matmul(phi, coef.reshape(out_f, -1).T, precision=precision)
+        y = y + _mm(phi, coef.reshape(out_f, -1).T, precision, a_bound=1.0)  # bases lie in [0, 1]
     if "bias" in p:
         y = y + p["bias"]
     return y
@@ -323,18 +363,18 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
     else:
         phi, dphi = bspline_basis_and_derivative(x, p["grid"], k)  # recomputed here, never a residual
         # dC[o,i,m] = sum_b g[b,o] B_m(x_bi)
-        dcoef = jnp.matmul(g.T, phi.reshape(n, -1), precision=precision).reshape(out_f, in_f, nb)
+        dcoef = _mm(g.T, phi.reshape(n, -1), precision).reshape(out_f, in_f, nb)
         # sum_o g[b,o] sum_m C[o,i,m] B'_m(x_bi)
-        gc = jnp.matmul(g, coef.reshape(out_f, -1), precision=precision).reshape(n, in_f, nb)
+        gc = _mm(g, coef.reshape(out_f, -1), precision).reshape(n, in_f, nb)
         dx_spline = jnp.sum(gc * dphi, axis=-1)
     grads = {
         "spline_weight": dcoef * p["spline_scaler"][..., None],
         "spline_scaler": jnp.sum(dcoef * p["spline_weight"], axis=-1),
-        "base_weight": jnp.matmul(g.T, silu, precision=precision),
+        "base_weight": _mm(g.T, silu, precision),
     }
     if "bias" in p:
         grads["bias"] = jnp.sum(g, axis=0)
-    dx = jnp.matmul(g, p["base_weight"], precision=precision) * dsilu + dx_spline
+    dx = _mm(g, p["base_weight"], precision) * dsilu + dx_spline
     return grads, dx
 
 
@@ -431,7 +471,13 @@ def kan_linear(params: Mapping[str, jax.Array], x: jax.Array, *, backend: str = 
       backend: ``"xla"`` (custom VJP in jnp), ``"pallas"`` (custom VJP; the spline part of forward and backward in
         the fused kernels of :mod:`jaxgrad.kan.kernels`, the base/scaler chain rule in XLA) or ``"reference"``
         (no custom rule).
-      precision: ``jax.lax.Precision`` of the matmuls (and passed to the kernels).
+      precision: ``jax.lax.Precision`` of the matmuls (and passed to the kernels), or ``"fp16_scaled"``
+        (``backend="xla"``, float32 arrays): every product of the forward and the backward (the three spline
+        contractions and the two SiLU-branch ones) from float16 operands scaled by powers of two, float32 sums and
+        exact unscaling (:mod:`jaxgrad.kan.fp16_scaled`: TF32's 11-bit significand at the float16 tensor-core rate;
+        bases at the fixed scale ``2^14``, every other operand per slice of its free axis). Float64 arrays take the
+        same scaled products without the float16 rounding (the verifier's float64 re-run); bf16 / f16 arrays are
+        refused.
       interpret: Pallas interpret mode (``None``: on unless running on a GPU); ignored by the other backends.
       spline_order: optional, the order ``k`` the layer was built with (``KANConfig.spline_order``). The params do
         not store it; given, ``grid`` must have exactly ``G + 2k + 1`` knots per row (``G + k`` = spline_weight's
@@ -441,7 +487,7 @@ def kan_linear(params: Mapping[str, jax.Array], x: jax.Array, *, backend: str = 
     the grid is concrete (not under ``jit``).
     """
     k = _validate(params, x, backend, spline_order)
-    check_precision(precision, "kan_linear")
+    _check_precision(precision, backend, params, x)
     p = {name: params[name] for name in ("base_weight", "spline_weight", "spline_scaler", "bias") if name in params}
     # not trained, to every order: the backward's own use of the knots must not leak a second-order grid gradient
     p["grid"] = jax.lax.stop_gradient(params["grid"])

@@ -99,7 +99,13 @@ def trainable_mask(params):
 
 def kan_apply(params: Sequence[dict[str, jax.Array]], x: jax.Array, *, backend: str = "xla", precision=None,
               interpret: bool | None = None) -> jax.Array:
-    """``KAN(widths)(x)``: ``x[..., in] -> [..., out]``, each layer by :func:`~jaxgrad.kan.layer.kan_linear`."""
+    """``KAN(widths)(x)``: ``x[..., in] -> [..., out]``, each layer by :func:`~jaxgrad.kan.layer.kan_linear` with
+    the same ``backend``, ``precision`` and ``interpret``.
+
+    ``precision``: a ``jax.lax`` precision, or ``"fp16_scaled"`` (``backend="xla"``, float32 params and ``x``):
+    every product of every layer's forward and backward from float16 operands scaled by powers of two, float32 sums
+    (:mod:`jaxgrad.kan.fp16_scaled`: TF32's 11-bit significand at the float16 tensor-core rate). Checked per layer,
+    errors naming the argument."""
     kan_widths(params)
     for p in params:
         x = kan_linear(p, x, backend=backend, precision=precision, interpret=interpret)

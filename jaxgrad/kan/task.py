@@ -13,8 +13,9 @@ every ``grid_update_every`` steps of each grid while ``< stop_grid_update_step``
 
 Loss: item ``i`` is one sample, :math:`\ell_i = \frac{1}{d_{out}} \sum_o (f(x_i)_o - y_{io})^2`, returned as
 :math:`(\sum_i \ell_i, B)`: the engine's loss is the MSE. ``grad_path="custom_vjp"`` differentiates
-:func:`jaxgrad.kan.network.kan_apply` (``backend`` ``"xla"`` or ``"pallas"``: hand-written VJP / kernels),
-``"reference"`` differentiates :func:`~jaxgrad.kan.network.kan_apply_reference`. The knot grids are not trained
+:func:`jaxgrad.kan.network.kan_apply` (``backend`` ``"xla"`` or ``"pallas"``: hand-written VJP / kernels;
+``precision`` one of :data:`PRECISIONS`), ``"reference"`` differentiates
+:func:`~jaxgrad.kan.network.kan_apply_reference`. The knot grids are not trained
 (:func:`~jaxgrad.kan.network.trainable_mask`).
 
 Evaluation: ``train_rmse`` and ``test_rmse`` over every target on the scale the model fits, and for a dataset
@@ -44,6 +45,10 @@ TARGETS = {
     "sin_pi_x": (1, lambda x: jnp.sin(jnp.pi * x[:, :1])),
 }
 BACKENDS = ("xla", "pallas", "reference")
+#: ``model.precision``: the products' precision (``"default"``: JAX's, TF32 for float32 on a GPU; ``"highest"``:
+#: exact float32; ``"fp16_scaled"``: float16 operands scaled by powers of two, float32 sums, backend ``"xla"`` and
+#: dtype ``"float32"`` only, :mod:`jaxgrad.kan.fp16_scaled`)
+PRECISIONS = ("default", "highest", "fp16_scaled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,7 @@ class KANFit:
     grid_update_every: int = 0
     stop_grid_update_step: int = 50
     backend: str = "xla"
+    precision: str = "default"
     dtype: str = "float32"
     init: str = "efficient_kan"  # the library's default (scripts/kan_fit.py's committed series); the CLI's: pykan
     grid_eps: float = 0.02
@@ -83,6 +89,11 @@ class KANFit:
         need(self.grids and all(isinstance(g, int) and g >= 1 for g in self.grids), "grids", "ints >= 1")
         need(len(self.grids) == 1 or self.refine_every >= 1, "refine_every", ">= 1 when several grids are given")
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
+        need(self.precision in PRECISIONS, "precision", f"one of {PRECISIONS}")
+        if self.precision == "fp16_scaled" and (self.backend, self.dtype) != ("xla", "float32"):
+            raise ConfigError(f"KAN fit: precision 'fp16_scaled' needs backend 'xla' and dtype 'float32' (float16 "
+                              f"operands made from float32 arrays, in the XLA custom VJP), got backend "
+                              f"{self.backend!r}, dtype {self.dtype!r}")
         need(self.init in INITS, "init", f"one of {INITS}")
         need(isinstance(self.grid_eps, (int, float)) and not isinstance(self.grid_eps, bool)
              and 0.0 <= self.grid_eps <= 1.0, "grid_eps", "a number in [0, 1]")
@@ -169,10 +180,11 @@ def make_task(fit: KANFit, total_steps: int, dataset: dict | None = None) -> Tas
         return kan_init(key, fit.widths, dtype=dtype, grid_size=fit.grids[0], spline_order=fit.spline_order,
                         init=fit.init)
 
+    precision = {"default": None, "highest": jax.lax.Precision.HIGHEST}.get(fit.precision, fit.precision)
+
     def loss(params, batch):
         x, y = batch
-        return per_item_sq_err_sum(kan_apply(params, x, backend="reference" if fit.backend == "reference" else
-                                             fit.backend), y)
+        return per_item_sq_err_sum(kan_apply(params, x, backend=fit.backend, precision=precision), y)
 
     def reference_loss(params, batch):
         x, y = batch
@@ -213,7 +225,9 @@ def make_task(fit: KANFit, total_steps: int, dataset: dict | None = None) -> Tas
                 trainable=trainable_mask,
                 describe=f"KAN {list(fit.widths)}, k={fit.spline_order}, grids {list(fit.grids)}"
                          f"{f' (refined every {fit.refine_every} steps)' if len(fit.grids) > 1 else ''}, "
-                         f"{fit.dtype}, backend {fit.backend}, init {fit.init}; {source}, batch {bs}")
+                         f"{fit.dtype}, backend {fit.backend}"
+                         f"{'' if fit.precision == 'default' else f', precision {fit.precision}'}, init {fit.init}; "
+                         f"{source}, batch {bs}")
 
 
 @functools.partial(jax.jit)
@@ -238,7 +252,8 @@ CLI_SCHEMA = {
     "model": {"widths": ("ints", [2, 1, 1]), "grids": ("ints", [3, 5, 10]), "refine_every": ("int", 400),
               "spline_order": ("int", 3), "init": ("str", "pykan", INITS), "grid_update_every": ("int", 100),
               "stop_grid_update_step": ("int", 101), "grid_eps": ("float", 1.0),
-              "backend": ("str", "xla", BACKENDS), "dtype": ("str", "float64", ("float32", "float64"))},
+              "backend": ("str", "xla", BACKENDS), "precision": ("str", "default", PRECISIONS),
+              "dtype": ("str", "float64", ("float32", "float64"))},
     "data": {"target": ("str", "exp_sin_pi_x_plus_y2", tuple(TARGETS)), "n_train": ("int", 1000),
              "n_test": ("int", 1000), "path": ("str?", None), "inputs": ("strs|ints|str|int?", None),
              "targets": ("strs|ints|str|int?", None), "test_fraction": ("float", 0.2),
@@ -275,8 +290,9 @@ def fit_from_config(cfg: dict) -> KANFit:
     return KANFit(target=None if d["path"] is not None else d["target"], widths=tuple(m["widths"]),
                   grids=tuple(m["grids"]), refine_every=m["refine_every"], spline_order=m["spline_order"],
                   grid_update_every=m["grid_update_every"], stop_grid_update_step=m["stop_grid_update_step"],
-                  backend=m["backend"], dtype=m["dtype"], init=m["init"], grid_eps=m["grid_eps"],
-                  n_train=d["n_train"], n_test=d["n_test"], batch_size=d["batch_size"], data_seed=d["seed"])
+                  backend=m["backend"], precision=m["precision"], dtype=m["dtype"], init=m["init"],
+                  grid_eps=m["grid_eps"], n_train=d["n_train"], n_test=d["n_test"], batch_size=d["batch_size"],
+                  data_seed=d["seed"])
 
 
 def dataset_from_config(cfg: dict) -> dict | None:
