@@ -334,7 +334,7 @@ def header_lines(rows: list[dict], args) -> list[str]:
     lines = [f"{SUITE}: weak scaling on the first N devices of this host, per-device micro-batch fixed; each row "
              f"{'in this process' if args.same_process else 'in a fresh process'}; median of {args.repeats} steps "
              f"after {args.warmup} (+ the first), profile of {args.profile_steps} more; JAX memory fraction "
-             f"{os.environ.get(MEM_FRACTION, '0.75 (default)')}"]
+             f"{os.environ.get(MEM_FRACTION, '0.75 (default)')}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"]
     seen = set()
     for r in rows:
         if r["workload"] in seen:
