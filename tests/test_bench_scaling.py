@@ -135,12 +135,14 @@ def test_efficiency_arithmetic_and_targets_from_rows():
     assert met["llama-8b-qlora N=2 fsdp", False] is True and met["llama-8b-qlora N=4 fsdp", False] is False
 
 
-def test_rows_that_would_not_start_in_budget_are_skipped():
+def test_rows_that_would_not_start_in_budget_or_lack_devices_are_skipped():
     rows = sc.plan_rows(["kan"], [1, 2], ["data"], batch=None, seq=None, layers=None, tiny=True, repeats=1,
                         warmup=0, profile_steps=0)
     out = sc.run_rows(rows, budget_s=1.0, same_process=True, say=lambda _: None)
     assert [r["status"] for r in out] == ["skipped", "skipped"]
     assert all("budget" in r["reason"] for r in out)
+    out = sc.run_rows(rows, budget_s=100.0, same_process=True, available=1, say=lambda _: None)
+    assert out[1]["status"] == "skipped" and "2 devices asked, 1 here" in out[1]["reason"]
 
 
 def test_collective_time_and_exposed_time_from_intervals():

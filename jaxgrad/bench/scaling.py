@@ -181,15 +181,19 @@ def estimate_s(row: dict) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- running
-def run_rows(rows: list[dict], *, budget_s: float, same_process: bool, say=print) -> list[dict]:
-    """Each row in a fresh process (or here, ``same_process``), within the budget (module docstring)."""
+def run_rows(rows: list[dict], *, budget_s: float, same_process: bool, available: int | None = None,
+             say=print) -> list[dict]:
+    """Each row in a fresh process (or here, ``same_process``), within the budget (module docstring); a row on more
+    than ``available`` devices is skipped."""
     from jaxgrad.bench import scaling_run
 
     out, t_start = [], time.perf_counter()
     for row in rows:
         t0 = time.perf_counter()
         left, est = budget_s - (t0 - t_start), estimate_s(row)
-        if est > left:
+        if available is not None and row["devices"] > available:
+            res = dict(row, status="skipped", reason=f"skipped: {row['devices']} devices asked, {available} here")
+        elif est > left:
             res = dict(row, status="skipped", reason=f"skipped: estimated {est:.0f} s, {max(left, 0):.0f} s of the "
                                                      f"budget ({budget_s:.0f} s) left")
         elif same_process:
@@ -441,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = header_lines(rows, a)
     for line in notes:
         print(f"# {line}", flush=True)
-    results = derive(run_rows(rows, budget_s=a.budget_s, same_process=a.same_process,
+    results = derive(run_rows(rows, budget_s=a.budget_s, same_process=a.same_process, available=len(jax.devices()),
                               say=lambda m: print(m, flush=True)))
     targets = evaluate_targets(results)
     table = format_scaling_table(results) + format_targets(targets)
