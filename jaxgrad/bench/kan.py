@@ -1,6 +1,10 @@
 """The ``kan`` suite: one KAN layer forward + backward, our Pallas kernels and XLA custom VJP against ``jax.grad``
 of the reference and, on a GPU with torch, PyTorch autograd of efficient-kan's ``KANLinear``
 (:func:`jaxgrad.bench.peers.efficient_kan`), timed one after the other in one process.
+
+At the default precision with float32 arrays the XLA custom VJP is also timed with ``precision="fp16_scaled"``
+(row ``xla custom_vjp fp16_scaled``: float16 operands scaled by powers of two, float32 sums,
+:mod:`jaxgrad.kan.fp16_scaled`), beside the TF32 rows of the same layer.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def kan_cost(batch: int, features: int, grid_size: int, spline_order: int, items
     return flops, bytes_moved
 
 
-def _kan_variants(precision_name: str) -> dict[str, Callable]:
+def _kan_variants(precision_name: str, dtype=jnp.float32) -> dict[str, Callable]:
     from jaxgrad.kan.layer import kan_linear, kan_linear_reference
 
     hp = jax.lax.Precision.HIGHEST if precision_name == "highest" else None
@@ -50,7 +54,10 @@ def _kan_variants(precision_name: str) -> dict[str, Callable]:
     def trainable(f):
         return lambda p, x: f({**p, "grid": jax.lax.stop_gradient(p["grid"])}, x)
 
-    extra = {}
+    extra, scaled = {}, {}
+    if precision_name != "highest" and jnp.dtype(dtype) == jnp.float32:  # fp16_scaled takes float32 arrays only
+        scaled["xla custom_vjp fp16_scaled"] = fwd_bwd(trainable(
+            lambda p, x: kan_linear(p, x, backend="xla", precision="fp16_scaled")))
     if precision_name == "highest":  # f32-accurate on tensor cores: three TF32 products (split hi/lo operands)
         x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
         extra["pallas 3xTF32"] = fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="pallas", precision=x3)))
@@ -58,6 +65,7 @@ def _kan_variants(precision_name: str) -> dict[str, Callable]:
         **extra,
         "pallas": fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="pallas", precision=hp))),
         "xla custom_vjp": fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="xla", precision=hp))),
+        **scaled,
         "jax.grad(reference)": fwd_bwd(trainable(lambda p, x: kan_linear_reference(p, x, precision=hp))),
     }
 
@@ -66,7 +74,6 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
     """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x)."""
     from jaxgrad.kan.layer import KANConfig, init
 
-    variants = _kan_variants(precision)
     rows: list[bm.Row] = []
     dtypes = (jnp.float32,) if sizes == "small" or precision == "highest" else (jnp.float32, jnp.bfloat16)
     for cfg in KAN_CONFIGS[sizes]:
@@ -79,8 +86,8 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
             x = jax.random.uniform(jax.random.key(1), (cfg["batch"], cfg["features"]), jnp.float32, -1, 1)
             flops, bytes_moved = kan_cost(cfg["batch"], cfg["features"], cfg["grid_size"], cfg["spline_order"],
                                           jnp.dtype(dtype).itemsize)
-            rows += bm.run_variants("kan", variants, (params, x.astype(dtype)), sizes=dict(cfg), flops=flops,
-                                    bytes_moved=bytes_moved, precision=precision,
+            rows += bm.run_variants("kan", _kan_variants(precision, dtype), (params, x.astype(dtype)),
+                                    sizes=dict(cfg), flops=flops, bytes_moved=bytes_moved, precision=precision,
                                     floor_precision="highest" if precision == "highest" else "tf32",
                                     warmup=warmup, repeats=repeats)
             if sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3:

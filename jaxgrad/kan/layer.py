@@ -515,11 +515,11 @@ def audit_cases():
         x = jax.random.uniform(jax.random.fold_in(k_x, 1), (batch, n_in), minval=-1.2, maxval=1.2)
         return trainable, x
 
-    def fn_for(backend):
+    def fn_for(backend, precision=None):
         def fn(trainable, x):
             grid = make_grid(x.shape[-1], 5, 3, dtype=x.dtype)
-            return kan_linear({**trainable, "grid": grid}, x, backend=backend)
-        fn.__name__ = f"kan_linear_{backend}"
+            return kan_linear({**trainable, "grid": grid}, x, backend=backend, precision=precision)
+        fn.__name__ = f"kan_linear_{backend}" + (f"_{precision}" if precision else "")
         return fn
 
     def reference(trainable, x):
@@ -530,4 +530,18 @@ def audit_cases():
                 arg_names=("params", "x"), backend="xla"),
         OpAudit("kan_linear[pallas]", fn_for("pallas"), reference, make_args, ((7, 5, 3), (33, 9, 4)),
                 arg_names=("params", "x"), backend="pallas"),
+        # float16 operands scaled by powers of two: judged at the float16 rounding its program shows
+        OpAudit("kan_linear[xla] precision=fp16_scaled", fn_for("xla", fp16_scaled.FP16_SCALED), reference,
+                make_args, ((7, 5, 3), (33, 9, 4), (129, 17, 6)), arg_names=("params", "x"), backend="xla"),
+        # the scaled product alone: its own VJP (reached when the layer's backward is differentiated again)
+        OpAudit("kan_fp16_scaled_matmul[xla]", fp16_scaled.matmul, jnp.matmul, _matmul_args,
+                ((7, 5, 3), (33, 96, 10), (129, 520, 7)), arg_names=("a", "b"), backend="xla"),
     )
+
+
+def _matmul_args(key, size):
+    """``a[m, k]``, ``b[k, n]``: white noise, rows of ``a`` from 1e-3 to 1e3 (the per-row scales at work)."""
+    m, k, n = size
+    ka, kb = jax.random.split(key)
+    rows = jnp.logspace(-3, 3, m, dtype=jnp.float32)[:, None]
+    return jax.random.normal(ka, (m, k)) * rows, jax.random.normal(kb, (k, n))
