@@ -117,7 +117,8 @@ def fill_layers(s: dict, n: int, device_bytes: int | None, cap: int = 80) -> int
 
     ``W_l`` a layer's bf16 weights, ``A_l`` its adapter parameters (fp32 value, gradient, two moments), ``2 B T H``
     the saved block input, ``W_e`` the embedding and head (gathered whole in the step), two layers' gathered weights
-    and one block's activations in flight."""
+    and one block's activations in flight; and ``2 (L W_l + W_e) / n <= 0.9 M``: the engine's ``init_state`` copies
+    the placed state once (:func:`jaxgrad.train.step.fresh_buffers`), so the base's shards are briefly there twice."""
     from jaxgrad.bench import llama_real as real
 
     m = 0.95 * 80e9 if device_bytes is None else device_bytes
@@ -128,7 +129,8 @@ def fill_layers(s: dict, n: int, device_bytes: int | None, cap: int = 80) -> int
     w_embed = 2.0 * 2 * s["vocab"] * s["hidden"]
     per_layer = w_layer / n + 16.0 * adapters + 2.0 * tokens * s["hidden"]
     fixed = w_embed / n + w_embed + 2 * w_layer + 2.0 * tokens * (6 * s["hidden"] + 3 * s["intermediate"]) * 2
-    return max(1, min(cap, int((0.85 * m - fixed) // per_layer)))
+    copied = int((0.9 * m / 2 - w_embed / n) // (w_layer / n))
+    return max(1, min(cap, copied, int((0.85 * m - fixed) // per_layer)))
 
 
 def other_spec(workload: str, tiny: bool) -> dict:
