@@ -211,7 +211,11 @@ def init_state(task: Task, cfg: TrainConfig, steps: Steps, mesh, params=None, rn
     shard = state_shardings(task, steps, mesh, params)
     params = put(params, shard["params"])  # from the host: no device holds more than its shards
     opt = jax.jit(steps.init_opt, out_shardings=shard["opt_state"])(params)
-    return fresh_buffers({"params": params, "opt_state": opt, "rng": put(rng, shard["rng"])})
+    # the placed params are buffers of their own already: copying them too would hold every frozen shard twice
+    # at once (a sharded base is most of a device's memory); the optimiser state may share buffers with them
+    # (a jit output that is its input), and weakly typed leaves are made strong (fresh_buffers' reasons)
+    params = jax.tree.map(lambda a: fresh_buffers(a) if getattr(a, "weak_type", False) else a, params)
+    return {"params": params, **fresh_buffers({"opt_state": opt, "rng": put(rng, shard["rng"])})}
 
 
 def _lbfgs_check(task: Task, cfg: TrainConfig) -> None:
