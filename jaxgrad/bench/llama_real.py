@@ -68,9 +68,8 @@ bytes a projection parameter; ``peak - frozen`` is what the step itself costs.
 (never run) at abstract arguments, ``memory_analysis()`` temp + arguments + outputs against the device's memory
 (``bytes_limit``: JAX's allocator limit, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the device, 0.95 unless set, as
 for the runs; ``--device-memory-gib`` elsewhere), doubling from ``--context-start`` then bisecting to a multiple of
-``--context-step``. Nothing is offloaded to the host, except with ``--checkpointing offload`` (each block's input
-held in host memory until the backward: :func:`jaxgrad.lora.model.apply`); the host bytes the compiled step holds
-(``host_temp_size_in_bytes`` where XLA reports it) are printed beside each size, not counted against the device.
+``--context-step``. Nothing is offloaded to the host (the host bytes a compiled step holds, XLA's
+``host_temp_size_in_bytes``, are printed beside a size where there are any).
 """
 
 from __future__ import annotations
@@ -481,9 +480,7 @@ def max_context(s: dict, *, step: int, limit_bytes: int, start: int | None = Non
     return {"max_seq": lo, "first_too_big": hi, "step": step, "limit_bytes": limit_bytes, "complete": complete,
             "compiled_bytes": {str(k): v for k, v in sorted(tried.items())}, "published": UNSLOTH_CONTEXT,
             "rule": "largest multiple of step whose compiled jaxgrad step (batch 1) has temp + arguments + outputs "
-                    "<= the device's bytes_limit; " + ("each block's input offloaded to host memory (checkpointing "
-                                                        "offload), host bytes not counted"
-                                                        if s["checkpointing"] == "offload" else "no host offload")}
+                    "<= the device's bytes_limit; no host offload"}
 
 
 # ----------------------------------------------------------------------------------------------------- the CLI

@@ -32,8 +32,7 @@ those of the segment run alone (``tests/test_lora_packing.py``, float64); :func:
 non-ignored labels of packed rows as of any others, so the window normalisation stays exact.
 
 Gradient checkpointing: ``cfg.gradient_checkpointing`` wraps every block in ``jax.checkpoint`` with that policy
-(``"none"``: no wrapping; ``"full"``: save nothing inside a block; ``"offload"``: the same with each block's input
-kept in host memory until the backward; else a ``jax.checkpoint_policies`` name).
+(``"none"``: no wrapping; ``"full"``: save nothing inside a block; else a ``jax.checkpoint_policies`` name).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxgrad.checks import check_key
 from jaxgrad.lora.block import _block_reference, _block_sdpa, block, check_attention
@@ -189,34 +187,16 @@ def _check_model(params, lora, input_ids, cfg, lcfg, attention_mask=None, segmen
                                      f"'lora_B': [out, r]}}), got keys {sorted(map(str, entry))}")
 
 
-#: the name of a block's input inside its ``jax.checkpoint`` (``gradient_checkpointing="offload"``)
-BLOCK_INPUT = "block_input"
-
-
-def _offload_policy():
-    """Save nothing inside a block but its named input, and that in pinned host memory (XLA's host offloading)."""
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT], offload_src="device",
-        offload_dst="pinned_host")
-
-
 def _has_nf4(tree) -> bool:
     return any(isinstance(leaf, NF4Weight) for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NF4Weight)))
 
 
 def _checkpointed(fn, policy: str):
-    """``fn(layer, layer_lora, h, key)`` under the block's ``gradient_checkpointing`` policy. ``"offload"``: the
-    block under ``jax.checkpoint`` whose input, named inside it (``checkpoint_name``), is the one value saved, and
-    saved in pinned host memory (:func:`_offload_policy`); its outer input is then no residual, so between the
-    forward and the backward the device holds no block input (it comes back when the backward recomputes the
-    block). Naming and moving a value change nothing in it: the gradients are those of ``"none"``."""
+    """``fn(layer, layer_lora, h, key)`` under the block's ``gradient_checkpointing`` policy."""
     if policy == "none":
         return fn
     if policy == "full":
         return jax.checkpoint(fn)
-    if policy == "offload":
-        return jax.checkpoint(lambda layer, layer_lora, h, key: fn(layer, layer_lora, checkpoint_name(h, BLOCK_INPUT),
-                                                                   key), policy=_offload_policy())
     return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy))
 
 

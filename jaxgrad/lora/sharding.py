@@ -201,9 +201,6 @@ def make_sharded_task(fit: LoraFit, mesh, *, grad_path: str = "custom_vjp", devi
     if fit.mode == "full":
         raise ConfigError("mesh.axes with 'fsdp' shards the frozen base of model.mode 'lora' or 'qlora'; mode 'full' "
                           "trains every weight: use mesh.axes = 'data'")
-    if fit.gradient_checkpointing == "offload":
-        raise ConfigError("model.gradient_checkpointing = 'offload' (block inputs in host memory) is not available "
-                          "with mesh.axes 'fsdp' / 'data,fsdp'; use 'full' there, or mesh.axes = 'data'")
     n = fsdp_size(mesh)
     path = resolve_path(fit, grad_path, device)
     tokenizer = load_tokenizer_of(fit)
