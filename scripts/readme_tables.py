@@ -160,6 +160,12 @@ def latest_bench(results: pathlib.Path, suite: str | None = None) -> dict[tuple[
 
 def _latest_json(results: pathlib.Path, pattern: str, accept=None) -> tuple[pathlib.Path, dict] | None:
     """The newest result file matching ``pattern`` (and ``accept(data)``, when given)."""
+    found = _all_json(results, pattern, accept)
+    return found[-1] if found else None
+
+
+def _all_json(results: pathlib.Path, pattern: str, accept=None) -> list[tuple[pathlib.Path, dict]]:
+    """Every result file matching ``pattern`` (and ``accept(data)``), oldest first."""
     found = []
     for path in results.glob(pattern):
         try:
@@ -170,10 +176,7 @@ def _latest_json(results: pathlib.Path, pattern: str, accept=None) -> tuple[path
             continue
         env = data.get("environment", {}) if isinstance(data, dict) else {}
         found.append(((_stamp(path, env), path.name), path, data))
-    if not found:
-        return None
-    _, path, data = max(found, key=lambda t: t[0])
-    return path, data
+    return [(path, data) for _, path, data in sorted(found, key=lambda t: t[0])]
 
 
 # ------------------------------------------------------------------------------------------------ bench
@@ -522,6 +525,12 @@ REAL_SIZE_FILES = (("Llama-3.2-1B LoRA", "llama_real_1b-*.json"), ("Llama-3.1-8B
 PEFT, LIGER = "transformers+PEFT", "transformers+PEFT+Liger"
 
 
+def _file_date(path: pathlib.Path) -> str:
+    """``YYYY-MM-DD`` of a result file named ``<suite>-<device>-<precision>-<date>-<time>.json``."""
+    m = re.search(r"-(\d{4})(\d{2})(\d{2})-\d{6}\.json$", path.name)
+    return f"{m.group(1)}-{m.group(2)}-{m.group(3)}" if m else path.name
+
+
 def _is_real_size(data) -> bool:
     env = data.get("environment", {}) if isinstance(data, dict) else {}
     spec = env.get("llama_real", {}).get("spec", {})
@@ -530,24 +539,31 @@ def _is_real_size(data) -> bool:
 
 
 def table_real_size(results: pathlib.Path) -> list[str]:
-    """One row per variant of the latest full-depth ``llama_real`` file of each model; ratios to the same run's
-    peers (speed: their step time over ours; memory: our peak over theirs, and our peak minus the frozen weights over
-    theirs)."""
+    """One row per variant of the full-depth ``llama_real`` files of each model: each variant from the newest file
+    that measured it (its date beside it where that is not the model's newest file), its ratios to the peers of
+    that same run (speed: their step time over ours; memory: our peak over theirs, and our peak minus the frozen
+    weights over theirs)."""
     body, files = [], []
     for what, pattern in REAL_SIZE_FILES:
-        found = _latest_json(results, pattern, _is_real_size)
-        if found is None:
+        found = _all_json(results, pattern, _is_real_size)
+        if not found:
             body.append([what, "no result"] + ["-"] * 6)
             continue
-        path, data = found
-        env = data["environment"]
-        spec, variants = env["llama_real"]["spec"], env["llama_real"]["variants"]
-        files.append(f"[{what}]({_rel(path)})")
-        peers = {name: variants.get(name) for name in (PEFT, LIGER)}
+        newest: dict[str, tuple] = {}  # variant -> (path, its metrics, that run's peers), newest file wins
+        for path, data in found:
+            variants = data["environment"]["llama_real"]["variants"]
+            batch = data["environment"]["llama_real"]["spec"]["batch"]
+            for name, m in variants.items():
+                if m.get("status") == "measured" and name != "jax.grad":
+                    newest[name] = (path, m, {peer: variants.get(peer) for peer in (PEFT, LIGER)}, batch)
+        latest_path = found[-1][0]
+        order = list(found[-1][1]["environment"]["llama_real"]["variants"])
+        names = [n for n in order if n in newest] + [n for n in newest if n not in order]
+        used = sorted({newest[n][0] for n in names}, key=lambda p: [q for q, _ in found].index(p))
+        files += [f"[{what}{'' if p == latest_path else ', ' + _file_date(p)}]({_rel(p)})" for p in used]
         gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
-        for name, m in variants.items():
-            if m.get("status") != "measured" or name == "jax.grad":
-                continue
+        for name in names:
+            path, m, peers, batch = newest[name]
             ratios = []
             for peer in peers.values():
                 ok = peer and peer.get("status") == "measured" and peer is not m
@@ -557,16 +573,17 @@ def table_real_size(results: pathlib.Path) -> list[str]:
                    f"{m['peak_minus_frozen_bytes'] / peft['peak_minus_frozen_bytes']:.2f}x"
                    if peft and peft.get("status") == "measured" and peft is not m else "-")
             label = f"**{name}**" if name == "jaxgrad" else name
-            body.append([what, label + ("" if m.get("batch", spec["batch"]) == spec["batch"] else
-                                        f" (batch {m['batch']})"),
-                         f"{m['tokens_per_s']:,.0f}", f"{m['model_tflops_nemo']:.0f}",
+            label += "" if m.get("batch", batch) == batch else f" (batch {m['batch']})"
+            label += "" if path == latest_path else f" ({_file_date(path)})"
+            body.append([what, label, f"{m['tokens_per_s']:,.0f}", f"{m['model_tflops_nemo']:.0f}",
                          f"{gib(m['peak_bytes'])} ({gib(m['peak_minus_frozen_bytes'])})", *ratios, mem])
     head = ("One LoRA training step (forward, backward, AdamW on the adapters; r = 16 on all 7 projections, fp32 "
             "adapters, bf16 activations) at micro-batch 2 x seq 4096, random weights at the real shapes, on one H100, "
             "each row in a fresh process, the peers in the same run. Model TFLOP/s as NeMo counts them (4 x base "
             "parameters x tokens, attention not counted). Peak: the device's high-water mark, weights included; in "
             "brackets without the frozen weights. `recompute=` and `checkpointing=` trade time for memory "
-            "(docs/lora.md). Files: " + ", ".join(files) + ".")
+            "(docs/lora.md). A row dated in brackets is from an earlier run than its model's newest (its ratios are "
+            "to that run's peers). Files: " + ", ".join(files) + ".")
     return [head, ""] + _table(["model", "variant", "tokens/s", "model TFLOP/s", "peak GiB (minus frozen)",
                                 "vs PEFT", "vs PEFT + Liger", "memory vs PEFT: peak / minus frozen"], body)
 

@@ -297,3 +297,23 @@ def test_the_real_size_table_reads_each_models_latest_full_depth_run(tmp_path):
     assert f"| {ratio:.2f}x |" in ours
     assert any("Llama-3.2-1B LoRA | no result" in line for line in lines)
     assert src.name in lines[0] and "later" not in lines[0]
+
+
+def test_a_variant_missing_from_the_newest_run_comes_from_the_run_that_measured_it_with_its_date(tmp_path):
+    src = sorted(ROOT.glob("benchmarks/results/llama_real_8b-*.json"))[-1]
+    old = json.loads(src.read_text())
+    old["environment"]["datetime_utc"] = "2026-01-01T00:00:00+00:00"
+    (tmp_path / "llama_real_8b-dev-bf16-20260101-000000.json").write_text(json.dumps(old))
+    new = json.loads(src.read_text())
+    new["environment"]["datetime_utc"] = "2026-02-01T00:00:00+00:00"
+    variants = new["environment"]["llama_real"]["variants"]
+    del variants["jaxgrad"]  # the newest run re-measured everything but the default variant, at other peers
+    peft = variants["transformers+PEFT"]
+    peft["tokens_per_s"] *= 2
+    (tmp_path / "llama_real_8b-dev-bf16-20260201-000000.json").write_text(json.dumps(new))
+    lines = rt.table_real_size(tmp_path)
+    ours = next(line for line in lines if "| **jaxgrad** (2026-01-01) |" in line)
+    v = old["environment"]["llama_real"]["variants"]
+    assert f"| {v['jaxgrad']['tokens_per_s'] / v['transformers+PEFT']['tokens_per_s']:.2f}x |" in ours  # its own peers
+    assert "20260101-000000.json" in lines[0] and "20260201-000000.json" in lines[0]
+    assert sum("transformers+PEFT |" in line and "(2026-" not in line for line in lines) == 1  # the newest PEFT row
