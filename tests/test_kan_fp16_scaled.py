@@ -9,6 +9,7 @@ float16 without the scaling. The float64 re-run of the same code (no float16 rou
 1e-10, which checks the equations and the exact unscaling.
 """
 
+import functools
 import math
 
 import jax
@@ -136,8 +137,10 @@ def test_operands_must_be_float32_or_float64_matrices():
 ])
 def test_forward_and_every_gradient_pass_the_tf32_model(batch, in_f, out_f, grid_size, order):
     trainable, grid = _layer(batch + in_f, in_f, out_f, grid_size=grid_size, spline_order=order)
-    # finite differences only where cheap: the float64 re-run of the same code already checks the equations
-    report = _check(trainable, grid, _x(batch, batch, in_f), fd=in_f * out_f < 1000)
+    # finite differences, and 16 or 32 rounding samples, only where cheap (CPU time): the float64 re-run of the
+    # same code already checks the equations
+    wide = in_f * out_f > 10_000
+    report = _check(trainable, grid, _x(batch, batch, in_f), fd=not wide, replicas=8 if wide else None)
     assert report.passed, str(report)
     assert report.precision.precision == "tf32"
     assert "fn runs in float64" in report.float64_status  # the same code in float64: equations and unscaling
@@ -180,10 +183,24 @@ def test_rows_1e11_apart_pass_scaled_and_fail_a_plain_float16_cast(monkeypatch):
 
 
 def test_bases_touched_only_by_their_tails_keep_tf32_accuracy():
-    """batch 1, k = 5: a basis whose support the sample enters by < 5% has B ~ 1e-9 (float16 subnormal at the
-    bases' forward scale 2^14); dcoef scales each basis column by its own maximum, so those entries pass too."""
+    """batch 1, k = 5: a sample 0.05% to 2% of an interval past a knot gives the basis starting there
+    B ~ 1e-17 .. 1e-9, below float16's range at the bases' forward scale 2^14 (flushed or subnormal). dcoef scales
+    each basis column by its own maximum, so every entry of d spline_weight = g_o B_m(x_i) scaler_oi (one product
+    at batch 1) keeps TF32's relative error; a fixed scale would flush them (error 100%). check_vjp passes too."""
     trainable, grid = _layer(11, 64, 3, grid_size=4, spline_order=5)
     x = jnp.asarray(-1.0 + 0.5 * (np.arange(64) % 5) + 0.5 * np.linspace(1e-3, 0.04, 64), jnp.float32)[None]
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((1, 3)), jnp.float32)
+    def dweight(layer, t, grid, x, g):
+        return jax.vjp(lambda t: layer({**t, "grid": grid}, x), t)[1](g)[0]["spline_weight"]
+
+    scaled = functools.partial(kan_linear, precision="fp16_scaled")
+    got = np.asarray(jax.jit(functools.partial(dweight, scaled))(trainable, grid, x, g), np.float64)
+    with jax.enable_x64(True):
+        want = np.asarray(jax.jit(functools.partial(dweight, kan_linear_reference))(
+            *jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (trainable, grid, x, g))))
+    assert np.sum((want != 0) & (np.abs(want) < 1e-9)) > 20  # the tails are there
+    # one product of two float16-rounded operands, then two float32 roundings (the scaler, the bases in float32)
+    np.testing.assert_array_less(np.abs(got - want), (2 * U16 + U16**2 + 16 * U32) * np.abs(want) + 1e-300)
     report = _check(trainable, grid, x, fd=False)
     assert report.passed, str(report)
 
@@ -196,10 +213,10 @@ def test_network_passes_the_precision_to_every_layer():
     t2, g2 = _layer(1, 4, 3)
     params = [{**t1, "grid": g1}, {**t2, "grid": g2}]
     x = _x(0, 17, 5)
-    y = kan_apply(params, x, precision="fp16_scaled")
-    h = kan_linear(params[0], x, precision="fp16_scaled")
-    np.testing.assert_array_equal(y, kan_linear(params[1], h, precision="fp16_scaled"))
-    np.testing.assert_allclose(y, kan_apply_reference(params, x), rtol=0, atol=1e-2)
+    y = jax.jit(lambda p, x: kan_apply(p, x, precision="fp16_scaled"))(params, x)
+    layer = jax.jit(lambda p, x: kan_linear(p, x, precision="fp16_scaled"))
+    np.testing.assert_array_equal(y, layer(params[1], layer(params[0], x)))
+    np.testing.assert_allclose(y, jax.jit(kan_apply_reference)(params, x), rtol=0, atol=1e-2)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(kan_apply(p, x, precision="fp16_scaled"))))(params))
     assert "f16[" in jaxpr
 
@@ -234,3 +251,25 @@ def test_training_config_key_selects_and_validates_the_precision():
     batch = (x, jnp.zeros((16, 1), jnp.float32))
     assert "f16[" in str(jax.make_jaxpr(jax.grad(lambda p: task.loss(p, batch)[0]))(params))
     assert "precision fp16_scaled" in task.describe
+
+
+def test_second_order_goes_through_scaled_products_at_any_row_scale():
+    """grad of a loss on dy/dx (a physics-informed loss's shape): the layer's backward is differentiated again, its
+    products' own VJPs are scaled products too, so rows 1e5 and 1e-6 apart neither overflow nor flush. Normwise
+    error of the second-order gradient against float64: TF32 rounding compounded over a few products
+    (measured ~2e-4; <= 2e-3)."""
+    trainable, grid = _layer(3, 6, 4, row_scales=[1e5, 1e-6, 1e5, 1e-6])
+    x = _x(3, 9, 6)
+
+    def second(f, t, x):
+        return jax.grad(lambda t: jnp.sum(jax.grad(lambda x: jnp.sum(f({**t, "grid": grid.astype(x.dtype)}, x)))(x)
+                                          ** 2))(t)
+
+    got = jax.jit(lambda t, x: second(lambda p, x: kan_linear(p, x, precision="fp16_scaled"), t, x))(trainable, x)
+    with jax.enable_x64(True):
+        want = jax.jit(lambda t, x: second(kan_linear_reference, t, x))(
+            {n: jnp.asarray(v, jnp.float64) for n, v in trainable.items()}, jnp.asarray(x, jnp.float64))
+    for name in trainable:
+        g, w = np.asarray(got[name], np.float64), np.asarray(want[name])
+        assert np.all(np.isfinite(g)), name
+        assert np.linalg.norm(g - w) <= 2e-3 * np.linalg.norm(w), name  # bias: 0 (dy/dx does not depend on it)
