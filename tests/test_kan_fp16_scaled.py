@@ -13,6 +13,7 @@ import functools
 import math
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -208,17 +209,34 @@ def test_bases_touched_only_by_their_tails_keep_tf32_accuracy():
 # ---------------------------------------------------------------------------------------------------------------
 # the network, the training config, and what is refused
 # ---------------------------------------------------------------------------------------------------------------
+def _f16_products(jaxpr) -> int:
+    """The ``dot_general`` equations with float16 operands in a jaxpr and its sub-jaxprs."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and all(v.aval.dtype == jnp.float16 for v in eqn.invars):
+            count += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    count += _f16_products(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    count += _f16_products(sub)
+    return count
+
+
 def test_network_passes_the_precision_to_every_layer():
     t1, g1 = _layer(0, 5, 4)
     t2, g2 = _layer(1, 4, 3)
     params = [{**t1, "grid": g1}, {**t2, "grid": g2}]
     x = _x(0, 17, 5)
-    y = jax.jit(lambda p, x: kan_apply(p, x, precision="fp16_scaled"))(params, x)
-    layer = jax.jit(lambda p, x: kan_linear(p, x, precision="fp16_scaled"))
-    np.testing.assert_array_equal(y, layer(params[1], layer(params[0], x)))
-    np.testing.assert_allclose(y, jax.jit(kan_apply_reference)(params, x), rtol=0, atol=1e-2)
-    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(kan_apply(p, x, precision="fp16_scaled"))))(params))
-    assert "f16[" in jaxpr
+    network = jax.jit(lambda p, x: kan_apply(p, x, precision="fp16_scaled"))
+    # every layer's two forward products (SiLU branch, splines) take float16 operands
+    assert _f16_products(jax.make_jaxpr(network)(params, x).jaxpr) == 2 * len(params)
+    assert _f16_products(jax.make_jaxpr(lambda p, x: kan_apply(p, x))(params, x).jaxpr) == 0
+    # and its four backward products (dC, g C, dW, g W)
+    loss_grad = jax.grad(lambda p, x: jnp.sum(network(p, x)), argnums=(0, 1))
+    assert _f16_products(jax.make_jaxpr(loss_grad)(params, x).jaxpr) == 6 * len(params)
+    np.testing.assert_allclose(network(params, x), jax.jit(kan_apply_reference)(params, x), rtol=0, atol=1e-2)
 
 
 def test_bad_precision_bf16_arrays_and_other_backends_are_refused_by_name():
