@@ -20,10 +20,11 @@ only sees its own row of ``a`` and column of ``b``: a row whose values are all `
 to float16's normal range by its own scale instead of falling into the subnormals.
 
 **Error model.** The largest value of a slice lands in ``[2^14, 2^15)``, below float16's largest finite value
-65504 even after rounding up: no overflow. A scaled value ``v`` with ``|v| >= 2^-14`` (float16's smallest normal),
-i.e. ``|a| >= max|slice| 2^-29``, is rounded with relative error at most ``2^-11`` (10 stored mantissa bits, as
-TF32). Below that it is a float16 subnormal with absolute error at most ``2^-25`` in scaled units, i.e.
-``<= max|slice| 2^-39``; values below ``max|slice| 2^-40`` flush to zero. Products of two float16 values are exact
+65504 even after rounding up: no overflow. A scaled value ``v`` with ``|v| >= 2^-14`` (float16's smallest normal;
+guaranteed for ``|a| >= max|slice| 2^-28``) is rounded with relative error at most ``2^-11`` (10 stored mantissa
+bits, as TF32). Below that it is a float16 subnormal with absolute error at most ``2^-25`` in scaled units, i.e.
+``<= max|slice| 2^-39``; values below ``max|slice| 2^-40`` flush to zero (underflow is relative to the slice's
+largest value, never absolute). Products of two float16 values are exact
 in float32, and the sum is float32. So an entry of the product obeys, with :math:`u = 2^{-11}`,
 :math:`u_{32} = 2^{-24}` and :math:`M_{mn} = \sum_k |a_{mk}||b_{kn}|`:
 
@@ -32,16 +33,21 @@ in float32, and the sum is float32. So an entry of the product obeys, with :math
     |\hat c_{mn} - c_{mn}| \le (2u + u^2 + K u_{32}) M_{mn}
         + 2^{-39}\bigl(\max_k|a_{mk}| \textstyle\sum_k |b_{kn}| + \max_k|b_{kn}| \sum_k |a_{mk}|\bigr)
 
-(the first term is TF32's model; the second, the subnormal part, is below ``2^-28`` of the first unless the slice
-holds nothing but values ``2^28`` times smaller than its largest). The verifier's TF32 model
-(:mod:`jaxgrad.verify.precision`, ``check_vjp(..., precision="tf32")``) applies: same operand rounding, no
-exponent range limit that the scaling does not already remove.
+(up to the second-order ``u K u32`` terms). The first term is TF32's model; the second, the subnormal part,
+matters only for an entry whose terms all involve values more than ``2^28`` below their slice's largest. The
+verifier's TF32 model (:mod:`jaxgrad.verify.precision`, ``check_vjp(..., precision="tf32")``) applies: the same
+operand rounding, and no exponent-range limit that the scaling does not already remove.
 
-A known bound replaces the maximum (``a_bound``: B-spline bases lie in ``[0, 1]``, so the scale ``2^14`` needs no
-reduction over them). Zero, infinite and NaN maxima get scale 1 (the product is then what an unscaled product
-gives: zeros, or the non-finite values propagated). Float64 operands (the verifier's float64 re-run under
-``jax_enable_x64``) take the same scales and products without the float16 rounding, so a float64 run checks the
-equations and the exact unscaling to float64 accuracy.
+A known bound replaces the maximum (``a_bound``). B-spline bases lie in ``[0, 1]``, so the KAN forward scales them
+by ``2^14`` with no reduction over them; a basis value below ``2^-28`` (the tail of a basis within a few percent
+of its knot, at k = 5) is then a subnormal, with absolute error ``<= 2^-39 |C|``, negligible against an output's
+other terms. The coefficient gradient ``g^T B`` scales each basis column by its own maximum instead: there every
+term of an entry shares the column, and a column holding only tails would otherwise be flushed.
+
+Zero, infinite and NaN maxima get scale 1 (the product is then what an unscaled product gives: zeros, or the
+non-finite values propagated). Float64 operands (the verifier's float64 re-run under ``jax_enable_x64``) take the
+same scales and products without the float16 rounding, so a float64 run checks the equations and the exact
+unscaling to float64 accuracy.
 
 :func:`matmul` is a ``jax.custom_vjp``: its cotangents are products of the same kind (``da = g b^T``,
 ``db = a^T g``, each scaled from its own operands), so a function built from it (the KAN layer's backward) can be
