@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh tests tests/test_attention_masks.py tests/test_verify_program_precision.py
 #   bash scripts/gpu_check.sh verify                       # the cost of a verdict (block backends xla, mosaic)
 #   bash scripts/gpu_check.sh false-alarms                 # the verifier's mixed-precision false-alarm sweep
-#   bash scripts/gpu_check.sh audit                        # `jaxgrad audit` on the GPU
+#   bash scripts/gpu_check.sh audit [--op NAME ...]        # `jaxgrad audit` on the GPU (all cases, or those named)
 #   bash scripts/gpu_check.sh bench lora attention         # benchmark suites (python -m jaxgrad.bench SUITE)
 #   GPU_CHECK_OUT=/tmp/x bash scripts/gpu_check.sh ...     # the folder (default runs/gpu-check/<UTC date-time>)
 #
@@ -69,7 +69,7 @@ case "$stage" in
       --n "${FALSE_ALARM_RUNS:-200}" --jobs "${FALSE_ALARM_JOBS:-8}" --seed "${FALSE_ALARM_SEED:-0}" \
       --planted-share "${FALSE_ALARM_PLANTED_SHARE:-0.5}" --budget-s "$((BUDGET - 30))" --out "$DIR" ;;
   audit)
-    run_logged audit "$PY" -m jaxgrad.cli audit --json "$DIR/audit.json" ;;
+    run_logged audit "$PY" -m jaxgrad.cli audit --json "$DIR/audit.json" "$@" ;;
   bench)
     for suite in "${@:-lora}"; do
       run_logged "bench-$suite" "$PY" -m jaxgrad.bench "$suite" --out "$DIR"
