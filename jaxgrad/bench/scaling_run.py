@@ -5,7 +5,8 @@ runs it in a fresh one and prints the result after :data:`jaxgrad.bench.fresh_pr
 * LoRA / QLoRA Llama: the real-size random base (:func:`host_base`: llama_real's weights, N(0, 0.02^2) and random
   NF4 codes with real block statistics, built one layer at a time on the first device and kept in host memory), a
   :class:`~jaxgrad.lora.task_config.LoraFit` of the same shapes, then what ``jaxgrad train lora`` does: layout
-  ``data``: :func:`jaxgrad.lora.task.make_task` with the base replicated on the mesh, the engine's data mesh;
+  ``data``: :func:`jaxgrad.lora.task.make_task` with the base replicated on the mesh, the engine's data mesh (QLoRA:
+  the planned path with an ``fsdp`` axis of 1, as ``jaxgrad train lora`` takes it);
   layout ``fsdp``: :func:`jaxgrad.lora.sharding.make_sharded_task` (``base_params=``) on
   :func:`jaxgrad.train.mesh.train_mesh`; both trained by :func:`jaxgrad.train.build` / ``init_state`` /
   ``steps.train_step`` (Adam on the adapters, the whole step jitted with the state donated).
@@ -117,6 +118,11 @@ def build_lora(row: dict, devices):
         mesh = train_mesh("fsdp", devices)
         task, plan = make_sharded_task(fit, mesh, base_params=base)
         return task, cfg, mesh, plan, None, [plan.describe]
+    if s["qlora"]:  # as jaxgrad train lora does (lora.sharding.plan_on_data_mesh): the NF4 projections are
+        # arguments of the step, not constants of its program; an fsdp axis of 1 replicates the whole base
+        mesh = train_mesh("data", devices)
+        task, plan = make_sharded_task(fit, mesh, base_params=base)
+        return task, cfg, mesh, plan, None, [f"data {n} (planned, fsdp 1): {plan.describe}"]
     mesh = data_mesh(devices)
     placed = replicate(base, mesh)  # every device holds the whole base, as the data layout does
     del base

@@ -281,6 +281,14 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def plan_on_data_mesh(cfg: dict) -> bool:
+    """Whether ``jaxgrad train lora`` on ``mesh.axes = "data"`` takes this module's path (an ``fsdp`` axis of 1:
+    every device holds the whole base, as the plain data path does): for QLoRA. Its NF4 projections are then the
+    plan's constants, arguments of every step; :func:`jaxgrad.lora.task.make_task`'s loss closes over them, and JAX
+    compiles a closed-over array into the program as a constant (the NF4 bytes of Llama-3.1-8B are 3.5 GB)."""
+    return cfg["model"]["mode"] == "qlora"
+
+
 def cli_task(cfg: dict, out, say, mesh, shard_trainable: bool = False):
     """``(task, finish, plan)`` for ``jaxgrad train lora`` on a layout with ``fsdp`` (``mesh.axes``): as
     :func:`jaxgrad.lora.task.cli_task`, with the model sharded over ``mesh`` (:func:`make_sharded_task`).

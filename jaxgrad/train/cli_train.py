@@ -75,22 +75,28 @@ def fill_defaults(fam, cfg: dict) -> dict:
 
 def layout_of(family: str, cfg: dict, devices: int | None, say):
     """``(mesh, cli_task)`` of the ``[mesh]`` settings: ``(None, None)`` for the plain data parallel path (axes
-    ``"data"``, nothing sharded), else the ``("data", "fsdp")`` mesh and the family's sharded ``cli_task``."""
+    ``"data"``, nothing sharded, unless the family's ``sharding.plan_on_data_mesh(cfg)`` asks for its planned path
+    there), else the ``("data", "fsdp")`` mesh and the family's sharded ``cli_task``."""
     from jaxgrad.train.mesh import train_mesh
 
     m = cfg["mesh"]
     mesh = train_mesh(m["axes"], devices, m["fsdp"])  # refuses bad values by name
-    if m["axes"] == "data" and not m["shard_trainable"]:
-        return None, None
-    if m["axes"] == "data":
-        raise ConfigError("mesh.shard_trainable = true shards over the 'fsdp' axis, which mesh.axes = 'data' does "
-                          "not have; use mesh.axes = 'fsdp' or 'data,fsdp'")
     package = family_module(family).__name__.rsplit(".", 1)[0]
     try:
         sharding = importlib.import_module(f"{package}.sharding")
     except ModuleNotFoundError:
+        sharding = None
+    if m["axes"] == "data" and not m["shard_trainable"]:
+        # a family may take its planned path on the data mesh too (an fsdp axis of 1: nothing sharded), e.g. for
+        # frozen arrays that must be arguments of the step rather than constants of its program
+        if sharding is None or not getattr(sharding, "plan_on_data_mesh", lambda cfg: False)(cfg):
+            return None, None
+    elif m["axes"] == "data":
+        raise ConfigError("mesh.shard_trainable = true shards over the 'fsdp' axis, which mesh.axes = 'data' does "
+                          "not have; use mesh.axes = 'fsdp' or 'data,fsdp'")
+    elif sharding is None:
         raise ConfigError(f"mesh.axes = {m['axes']!r}: family {family!r} has no sharded layout (only the LoRA "
-                          f"family shards its frozen base); use mesh.axes = 'data'") from None
+                          f"family shards its frozen base); use mesh.axes = 'data'")
 
     def cli_task(cfg, out, say):
         return sharding.cli_task(cfg, out, say, mesh, m["shard_trainable"])
