@@ -182,3 +182,14 @@ def test_offload_is_refused_with_its_measured_reason():
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         LoraFit(mode="lora", gradient_checkpointing="offload")
 
+
+
+@pytest.mark.parametrize("mode", ["lora", "qlora"])
+def test_the_task_keeps_its_frozen_base_in_host_memory(mode):
+    # the engine's state holds the one device copy of the base; a device-resident copy in the task's closure would
+    # sit beside it for the whole run
+    task = make_task(LoraFit(mode=mode, seq_len=16, n_bytes=4096, batch_size=2), device=CPU)
+    params = task.init(jax.random.key(0))
+    leaves = jax.tree.leaves(params["base"])
+    assert leaves and not [x for x in leaves if isinstance(x, jax.Array)]
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(params["lora"]))

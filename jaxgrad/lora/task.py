@@ -257,7 +257,9 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
                               train_base=True, **_packing_args(batch))
         trainable = None
     else:
-        base = load_base(fit, cfg) if base_params is None else base_params
+        # the task keeps its base in host memory: init hands it to the engine, whose state holds the one device copy
+        # (a device-resident base kept here as well would sit beside the state's for the whole run)
+        base = jax.device_get(load_base(fit, cfg) if base_params is None else base_params)
         if fit.mode == "qlora":
             from jaxgrad.lora.hf import quantize_projections
 
