@@ -252,27 +252,34 @@ def random_nf4(key, shape, template):
                      shape=tuple(shape), blocksize=NF4_BLOCKSIZE, dtype="bfloat16")
 
 
-def build_params(s: dict, key):
-    """The base on the default device, layer by layer (an NF4 model never holds its dense projections)."""
+def build_params(s: dict, key, place=None):
+    """The base on the default device, layer by layer (an NF4 model never holds its dense projections).
+    ``place``: applied to each weight as soon as it is made (``jax.device_get``: the base in host memory, no device
+    ever holding more than one weight of it)."""
     import jax
     import jax.numpy as jnp
 
+    place = (lambda w: w) if place is None else place
     bf16 = jnp.bfloat16
     template = _nf4_template() if s["qlora"] else None
     normal = jax.jit(lambda k, shape: (INIT_STD * jax.random.normal(k, shape, jnp.float32)).astype(bf16),
                      static_argnums=1)
     keys = iter(jax.random.split(key, 2 + 7 * s["layers"]))
-    params = {"embed_tokens": {"weight": normal(next(keys), (s["vocab"], s["hidden"]))}, "layers": [],
-              "norm": {"weight": jnp.ones((s["hidden"],), bf16)}}
+
+    def ones():
+        return place(jnp.ones((s["hidden"],), bf16))
+
+    params = {"embed_tokens": {"weight": place(normal(next(keys), (s["vocab"], s["hidden"])))}, "layers": [],
+              "norm": {"weight": ones()}}
     head_key = next(keys)
     if not s["tied"]:
-        params["lm_head"] = {"weight": normal(head_key, (s["vocab"], s["hidden"]))}
+        params["lm_head"] = {"weight": place(normal(head_key, (s["vocab"], s["hidden"])))}
     for _ in range(s["layers"]):
-        layer = {"self_attn": {}, "mlp": {}, "input_layernorm": {"weight": jnp.ones((s["hidden"],), bf16)},
-                 "post_attention_layernorm": {"weight": jnp.ones((s["hidden"],), bf16)}}
+        layer = {"self_attn": {}, "mlp": {}, "input_layernorm": {"weight": ones()},
+                 "post_attention_layernorm": {"weight": ones()}}
         for p, shape in proj_shapes(s).items():
             k = next(keys)
-            layer[PROJ[p]][p] = {"weight": random_nf4(k, shape, template) if s["qlora"] else normal(k, shape)}
+            layer[PROJ[p]][p] = {"weight": place(random_nf4(k, shape, template) if s["qlora"] else normal(k, shape))}
         params["layers"].append(layer)
     return params
 

@@ -53,30 +53,10 @@ def host_base(s: dict, key_seed: int = 0) -> dict:
     """The frozen base of llama_real's spec ``s`` in host memory (numpy; NF4 projections with ``s["qlora"]``),
     each weight made on the first device and copied to the host at once, so no device ever holds the whole base."""
     import jax
-    import jax.numpy as jnp
 
     from jaxgrad.bench import llama_real as real
 
-    bf16 = jnp.bfloat16
-    template = real._nf4_template() if s["qlora"] else None
-    normal = jax.jit(lambda k, shape: (real.INIT_STD * jax.random.normal(k, shape, jnp.float32)).astype(bf16),
-                     static_argnums=1)
-    keys = iter(jax.random.split(jax.random.key(key_seed), 2 + 7 * s["layers"]))
-    ones = np.ones((s["hidden"],), jnp.bfloat16)
-    base = {"embed_tokens": {"weight": jax.device_get(normal(next(keys), (s["vocab"], s["hidden"])))},
-            "layers": [], "norm": {"weight": ones.copy()}}
-    head_key = next(keys)
-    if not s["tied"]:
-        base["lm_head"] = {"weight": jax.device_get(normal(head_key, (s["vocab"], s["hidden"])))}
-    for _ in range(s["layers"]):
-        layer = {"self_attn": {}, "mlp": {}, "input_layernorm": {"weight": ones.copy()},
-                 "post_attention_layernorm": {"weight": ones.copy()}}
-        for p, shape in real.proj_shapes(s).items():
-            k = next(keys)
-            w = real.random_nf4(k, shape, template) if s["qlora"] else normal(k, shape)
-            layer[real.PROJ[p]][p] = {"weight": jax.device_get(w)}
-        base["layers"].append(layer)
-    return base
+    return real.build_params(s, jax.random.key(key_seed), place=jax.device_get)
 
 
 def lora_fit(s: dict, global_batch: int):
