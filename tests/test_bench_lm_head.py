@@ -43,10 +43,12 @@ def test_the_variants_are_the_fused_chunkings_the_plain_loss_and_the_torch_peers
         assert names[names.index(f"{model} jaxgrad fused ct=1024 cv=all bf16 dh") + 1:][:4] == [
             f"{model} jax.grad plain bf16 dh", f"{model} torch F.linear+F.cross_entropy bf16 dh",
             f"{model} torch liger FLCE bf16 dh", f"{model} jaxgrad fused recompute ct=1024 cv=all bf16 dh"]
-    assert len(names) == 2 * 11 and all(n.endswith(" bf16 dh") for n in names)
-    for model in ("1B", "8B"):  # the frozen head's products alone follow its recompute row
+    assert len(names) == 2 * 12 and all(n.endswith(" bf16 dh") for n in names)
+    for model in ("1B", "8B"):  # the frozen head's products alone follow its recompute row, the Mosaic kernel them
         assert names.index(f"{model} products only ct=1024 bf16 dh") == names.index(
             f"{model} jaxgrad fused recompute ct=1024 cv=all bf16 dh") + 1
+        assert names.index(f"{model} jaxgrad fused mosaic ct=1024 bf16 dh") == names.index(
+            f"{model} products only ct=1024 bf16 dh") + 1
     with_dw = bench.variant_names("full", head_grad=True)
     assert len(with_dw) == 2 * 9 and all(n.endswith(" bf16 dh+dW") for n in with_dw)
     v = bench.variant("8B jaxgrad fused ct=512 cv=32768 bf16 dh+dW", "full")
@@ -105,6 +107,18 @@ def test_the_products_only_row_is_the_fused_heads_two_products_without_the_softm
             for n, ms in (("8B jaxgrad fused ct=16 cv=all bf16 dh", 10.0), ("8B products only ct=16 bf16 dh", 8.0))]
     (line,) = [ln for ln in bench.summary_lines(rows, "small") if ln.startswith("8B products only")]
     assert "takes 2.000 ms more (20% of its time" in line
+
+
+def test_the_mosaic_row_is_skipped_with_its_reason_off_hopper_and_compared_with_the_xla_fused_row():
+    name = "8B jaxgrad fused mosaic ct=16 bf16 dh"
+    assert name in bench.variant_names("small")
+    if bench.mosaic_unavailable() is not None:
+        row = bench.run_jax_variant(name, "small", repeats=1, warmup=0)
+        assert row.median_ms is None and row.notes.startswith("skipped: Mosaic GPU's wgmma needs a Hopper GPU")
+    rows = [bm.Row(suite="lm_head", variant=n, sizes={}, dtype="bf16", precision="default", median_ms=ms)
+            for n, ms in (("8B jaxgrad fused ct=16 cv=all bf16 dh", 10.0), (name, 9.0))]
+    (line,) = [ln for ln in bench.summary_lines(rows, "small") if ln.startswith(name)]
+    assert "0.900x the XLA fused loss's time at this chunking" in line
 
 
 def _run_small(tmp_path, variants):

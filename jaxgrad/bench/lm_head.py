@@ -36,6 +36,9 @@ Variants (named ``<model> <implementation> <dtype> <gradients>``):
   fp32) with no softmax, log-sum-exp or target in between: what XLA's library matmuls alone take at the fused
   loss's shapes. ``jaxgrad fused`` minus this row is the elementwise work a kernel fusing the softmax into the
   matmuls could remove at most (the products themselves it could only match cuBLAS on); not a loss;
+* ``jaxgrad fused mosaic ct=C`` (``dh`` rows, bf16): the fused frozen head on ``backend="mosaic"``, the logits'
+  Mosaic GPU kernel writing ``exp(Z - m_tile)`` and each vocabulary tile's maximum and sum in its epilogue
+  (:mod:`jaxgrad.ops.lm_head_loss_mgpu`); a skipped row, with the reason, off a Hopper GPU;
 * ``torch liger FLCE``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss(reduction="sum")`` (its gradient computed
   chunk by chunk during the forward), where ``liger_kernel`` imports; otherwise its row says why it was skipped.
 
@@ -100,6 +103,9 @@ FUSED, PLAIN, TORCH, LIGER = "jaxgrad fused", "jax.grad plain", "torch F.linear+
 FUSED_RECOMPUTE = "jaxgrad fused recompute"
 #: the fused frozen head's two products alone (no softmax): the library-matmul part of ``FUSED``'s time
 PRODUCTS = "products only"
+#: the fused frozen head on ``backend="mosaic"``: the logits' Mosaic GPU kernel with the softmax's tile statistics in
+#: its epilogue (:mod:`jaxgrad.ops.lm_head_loss_mgpu`); bf16, Hopper only (a skipped row elsewhere)
+FUSED_MOSAIC = "jaxgrad fused mosaic"
 H100_BF16, H100_TF32 = PEAKS["H100 SXM"].bf16_flops, PEAKS["H100 SXM"].tf32_flops
 
 
@@ -117,7 +123,7 @@ class Variant:
     @property
     def name(self) -> str:
         chunking = (f" ct={self.chunk_tokens} cv={self.chunk_vocab or 'all'}" if self.impl in (FUSED, FUSED_RECOMPUTE)
-                    else f" ct={self.chunk_tokens}" if self.impl == PRODUCTS else "")
+                    else f" ct={self.chunk_tokens}" if self.impl in (PRODUCTS, FUSED_MOSAIC) else "")
         return f"{self.model} {self.impl}{chunking} {self.dtype} {'dh+dW' if self.head_grad else 'dh'}"
 
     @property
@@ -136,7 +142,8 @@ def _variants(sizes: str, head_grad: bool, dtype: str) -> list[Variant]:
         if dtype == "bf16":
             recompute = [] if head_grad else [Variant(model, FUSED_RECOMPUTE, dtype, False, *chunks["tokens"][:1],
                                                       chunks["vocab"][0]),
-                                              Variant(model, PRODUCTS, dtype, False, chunks["tokens"][0])]
+                                              Variant(model, PRODUCTS, dtype, False, chunks["tokens"][0]),
+                                              Variant(model, FUSED_MOSAIC, dtype, False, chunks["tokens"][0])]
             out += [fused[0], Variant(model, PLAIN, dtype, head_grad), Variant(model, TORCH, dtype, head_grad),
                     Variant(model, LIGER, dtype, head_grad), *recompute, *fused[1:]]
         else:  # f32: the default chunking against the two plain losses
@@ -196,7 +203,7 @@ def _row(v: Variant, sizes: str, precision: str) -> bm.Row:
                  bytes_moved=head_bytes(s, v.head_grad, 2 if v.dtype == "bf16" else 4))
     if v.impl in (FUSED, FUSED_RECOMPUTE):
         row.sizes.update(chunk_tokens=v.chunk_tokens, chunk_vocab=v.chunk_vocab)
-    elif v.impl == PRODUCTS:
+    elif v.impl in (PRODUCTS, FUSED_MOSAIC):
         row.sizes.update(chunk_tokens=v.chunk_tokens)
     return row
 
@@ -297,14 +304,15 @@ def jax_step(v: Variant):
 
     from jaxgrad.ops.lm_head_loss import lm_head_loss
 
-    if v.impl in (FUSED, FUSED_RECOMPUTE):
+    if v.impl in (FUSED, FUSED_RECOMPUTE, FUSED_MOSAIC):
         # FUSED for dh: the frozen head's form (dh made in the forward); FUSED_RECOMPUTE: the head-gradient path,
-        # differentiated in h only (XLA drops the dW product)
+        # differentiated in h only (XLA drops the dW product); FUSED_MOSAIC: FUSED on the Mosaic kernel
         head_grad = v.head_grad or v.impl == FUSED_RECOMPUTE
+        backend = "mosaic" if v.impl == FUSED_MOSAIC else "xla"
 
         def loss(h, w, labels):
             return lm_head_loss(h, w, labels, ignore_index=IGNORE_INDEX, chunk_tokens=v.chunk_tokens,
-                                chunk_vocab=v.chunk_vocab, head_grad=head_grad)[0]
+                                chunk_vocab=v.chunk_vocab, head_grad=head_grad, backend=backend)[0]
     elif v.impl == PLAIN:
         loss = plain_loss
     else:
@@ -317,6 +325,11 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
     v = variant(name, sizes)
     s = SHAPES[sizes][v.model]
     row = _row(v, sizes, precision)
+    if v.impl == FUSED_MOSAIC:
+        why = mosaic_unavailable()
+        if why:
+            row.notes = why
+            return row
     args = jax_inputs(s, v.dtype)
     compiled, peak_compile = fresh_process.compile_and_time(row, jax_step(v), args, warmup=warmup, repeats=repeats)
     loss = float(compiled(*args)[0])
@@ -329,12 +342,26 @@ def run_jax_variant(name: str, sizes: str, *, repeats: int, warmup: int, precisi
                      "row at this chunking (no loss)")
     elif v.impl == FUSED_RECOMPUTE or (v.impl == FUSED and v.head_grad):
         extra.append("recomputes the logits in the backward (+2NVH, not in the floor)")
+    elif v.impl == FUSED_MOSAIC:
+        extra.append("head frozen (head_grad=False), backend='mosaic': the logits' Mosaic GPU kernel writes "
+                     "exp(Z - m_tile) and per-tile (max, sum) instead of Z")
     elif v.impl == FUSED:
         extra.append("head frozen (head_grad=False): dh formed in the forward from its logits" +
                      (" (two vocabulary passes: the logits formed twice, +2NVH)" if v.chunk_vocab else ""))
     if peak_compile is not None:
         extra.append(f"peak after compile {peak_compile / 2**20:.1f} MiB")
     return _finish(row, loss / (s["batch"] * (s["seq"] - 1)), extra)
+
+
+def mosaic_unavailable() -> str | None:
+    """Why the Mosaic row cannot run in this process (``None`` on a Hopper GPU)."""
+    import jax
+
+    dev = jax.devices()[0]
+    cc = str(getattr(dev, "compute_capability", ""))
+    if dev.platform != "gpu" or not cc.startswith("9"):
+        return f"skipped: Mosaic GPU's wgmma needs a Hopper GPU (compute capability 9.x), got {dev.device_kind}"
+    return None
 
 
 # -------------------------------------------------------------------------------------------------- the torch side
@@ -434,6 +461,10 @@ def summary_lines(rows: list[bm.Row], sizes: str) -> list[str]:
             base_mem = memory_of_row(base)
             if mem is not None and base_mem and (r.peak_bytes is None) == (base.peak_bytes is None):
                 line += f", {mem / base_mem:.2f}x its {'peak' if r.peak_bytes is not None else 'compiled bytes'}"
+        if v.impl == FUSED_MOSAIC:
+            fused = by_name.get(Variant(v.model, FUSED, v.dtype, False, v.chunk_tokens, None).name)
+            if fused is not None and fused.median_ms:
+                line += f"; {r.median_ms / fused.median_ms:.3f}x the XLA fused loss's time at this chunking"
         if v.impl == PRODUCTS:
             fused = by_name.get(Variant(v.model, FUSED, v.dtype, False, v.chunk_tokens, None).name)
             if fused is not None and fused.median_ms:

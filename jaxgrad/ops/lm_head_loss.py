@@ -53,13 +53,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrad.ops import lm_head_loss_mgpu
 from jaxgrad.ops.dtypes import compute_dtype
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "lm_head_loss", "lm_head_loss_reference", "shifted_targets"]
+__all__ = ["BACKENDS", "DEFAULT_CHUNK_TOKENS", "lm_head_loss", "lm_head_loss_reference", "shifted_targets"]
 
 #: Token rows per chunk by default: at vocabulary 128,256 one chunk's fp32 logits are 1024 x 128,256 x 4 B = 525 MB
 #: (the plain loss holds 8.4 GB of fp32 logits and their gradient for 8192 tokens).
 DEFAULT_CHUNK_TOKENS = 1024
+#: ``xla``: the chunked custom VJP on XLA's ops; ``mosaic``: its frozen-head path with the logits' Mosaic GPU kernel
+#: (:mod:`jaxgrad.ops.lm_head_loss_mgpu`; Hopper, 16-bit operands, ``head_grad=False``, ``chunk_vocab=None``)
+BACKENDS = ("xla", "mosaic")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,6 +106,21 @@ def check_label_range(labels, vocab: int, ignore_index: int, where: str, vocab_f
         at = [int(i) for i in np.argwhere(bad)[0]]
         raise ValueError(f"{where}: 'labels' must lie in [0, {vocab}) (the vocabulary size: {vocab_from}) or be "
                          f"{ignore_index} (ignored), got {lab[tuple(at)].item()} at {at}")
+
+
+def _check_backend(backend, h, w, head_grad, chunk_vocab, where: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"{where}: 'backend' must be one of {BACKENDS}, got {backend!r}")
+    if backend == "xla":
+        return
+    if head_grad:
+        raise ValueError(f"{where}: backend='mosaic' computes a frozen head's loss; it needs head_grad=False")
+    if chunk_vocab is not None:
+        raise ValueError(f"{where}: backend='mosaic' takes the whole vocabulary per chunk; it needs chunk_vocab=None, "
+                         f"got {chunk_vocab!r}")
+    why = lm_head_loss_mgpu.supported(h.reshape(-1, h.shape[-1]), w)
+    if why is not None:
+        raise ValueError(f"{where}: backend='mosaic': {why}")
 
 
 def _check_chunk(value, name: str, where: str, optional: bool = False) -> None:
@@ -268,10 +287,12 @@ def _bwd(ignore_index, chunk_tokens, chunk_vocab, residuals, g):
 _lm_head_loss.defvjp(_fwd, _bwd)
 
 
-def _chunk_loss_and_dh(hc, w, yc, valid, v: int, cv: int, nv: int, cdt, dtype):
+def _chunk_loss_and_dh(hc, w, yc, valid, v: int, cv: int, nv: int, cdt, dtype, backend: str = "xla"):
     """``(loss [ct], dh / L_bar [ct, H])`` of one token chunk: the loss rows (0 where not counted, NaN where the label
     is out of range) and the unscaled input gradient ``c (exp(Z - m) / s - onehot(y)) W``. With one vocabulary chunk
-    the logits are formed once; with several, a first pass takes the log-sum-exp and a second forms ``dZ``."""
+    the logits are formed once; with several, a first pass takes the log-sum-exp and a second forms ``dZ``; with
+    ``backend="mosaic"`` the logits' kernel writes ``exp(Z - m_tile)`` and the tiles' statistics instead of ``Z``.
+    """
     in_range = (yc >= 0) & (yc < v)
     row = jnp.where(valid, jnp.where(in_range, 1.0, jnp.nan), 0.0).astype(cdt)
 
@@ -280,7 +301,17 @@ def _chunk_loss_and_dh(hc, w, yc, valid, v: int, cv: int, nv: int, cdt, dtype):
         dz = (jnp.exp(z - m[:, None]) / s[:, None] - onehot) * row[:, None]
         return jnp.where(jnp.isneginf(z), 0.0, dz).astype(dtype)  # columns of an earlier chunk: done there
 
-    if nv == 1:
+    if backend == "mosaic":
+        # the Mosaic kernel's P and per-tile (m, s) (lm_head_loss_mgpu's doc): softmax = P e^{m_tile - m} / s
+        p, m_tiles, s_tiles = lm_head_loss_mgpu.lm_head_softmax_tiles_mgpu(hc, w)
+        m, s, factor = lm_head_loss_mgpu.row_statistics(m_tiles, s_tiles)
+        ct, tiles = factor.shape
+        probs = (p.reshape(ct, tiles, -1) * factor[:, :, None]).reshape(ct, -1)[:, :v]
+        onehot = yc[:, None] == jnp.arange(v)[None, :]
+        dz = ((probs - onehot) * row[:, None]).astype(dtype)
+        picked = jnp.einsum("ch,ch->c", hc, jnp.take(w, jnp.clip(yc, 0, v - 1), axis=0), preferred_element_type=cdt)
+        dhc = jnp.einsum("cv,vh->ch", dz, w, preferred_element_type=cdt)
+    elif nv == 1:
         z = jnp.einsum("ch,vh->cv", hc, w, preferred_element_type=cdt)
         m = jnp.max(z, axis=-1)
         s = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
@@ -298,7 +329,7 @@ def _chunk_loss_and_dh(hc, w, yc, valid, v: int, cv: int, nv: int, cdt, dtype):
     return loss, dhc
 
 
-def _forward_frozen_head(h2, w, targets, ignore_index: int, chunk_tokens: int, chunk_vocab: int):
+def _forward_frozen_head(h2, w, targets, ignore_index: int, chunk_tokens: int, chunk_vocab: int, backend: str):
     """``(total, dh / L_bar)``: the summed loss and its gradient w.r.t. ``h2`` (``promote_types(dtype, float32)``),
     chunk by chunk; the head is a constant."""
     cdt = compute_dtype(h2.dtype)
@@ -309,7 +340,7 @@ def _forward_frozen_head(h2, w, targets, ignore_index: int, chunk_tokens: int, c
     def step(carry, i):
         total, dh = carry
         start, hc, yc, valid, fresh = _token_chunk(h2, targets, i, ct, ignore_index)
-        loss, dhc = _chunk_loss_and_dh(hc, w, yc, valid, v, cv, nv, cdt, h2.dtype)
+        loss, dhc = _chunk_loss_and_dh(hc, w, yc, valid, v, cv, nv, cdt, h2.dtype, backend)
         old = jax.lax.dynamic_slice_in_dim(dh, start, ct, axis=0)
         dh = jax.lax.dynamic_update_slice_in_dim(dh, jnp.where(fresh[:, None], dhc, old), start, axis=0)
         return (total + jnp.sum(loss), dh), None
@@ -318,17 +349,17 @@ def _forward_frozen_head(h2, w, targets, ignore_index: int, chunk_tokens: int, c
     return total, dh
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _lm_head_loss_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab):
-    return _forward_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _lm_head_loss_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab, backend):
+    return _forward_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab, backend)[0]
 
 
-def _fwd_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab):
-    total, dh = _forward_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab)
+def _fwd_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab, backend):
+    total, dh = _forward_frozen_head(h2, w, targets, ignore_index, chunk_tokens, chunk_vocab, backend)
     return total, (dh, jnp.zeros((0,), h2.dtype))  # the empty array carries h's dtype
 
 
-def _bwd_frozen_head(ignore_index, chunk_tokens, chunk_vocab, residuals, g):
+def _bwd_frozen_head(ignore_index, chunk_tokens, chunk_vocab, backend, residuals, g):
     # d/dh (g L) = g (dZ/L_bar) W, formed in the forward; w enters as stop_gradient(w): its cotangent is zero
     dh, like_h = residuals
     return (g.astype(dh.dtype) * dh).astype(like_h.dtype), None, None
@@ -338,7 +369,7 @@ _lm_head_loss_frozen_head.defvjp(_fwd_frozen_head, _bwd_frozen_head)
 
 
 def lm_head_loss(h, w, labels, *, ignore_index: int = -100, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 chunk_vocab: int | None = None, head_grad: bool = True):
+                 chunk_vocab: int | None = None, head_grad: bool = True, backend: str = "xla"):
     """``(sum of the token losses, number of counted labels)`` of the logits ``h W^T`` under HF's shift, computed
     ``chunk_tokens`` rows at a time with a hand-written VJP: equal to :func:`lm_head_loss_reference`, without its
     ``[B, T - 1, V]`` logits (see the module docstring for the equations and what is saved).
@@ -358,6 +389,10 @@ def lm_head_loss(h, w, labels, *, ignore_index: int = -100, chunk_tokens: int = 
         ``False``: the function of ``stop_gradient(w)`` (a frozen head: LoRA): ``w``'s gradient is zero by
         definition, and ``dh`` is formed in the forward from its own logits (two ``[tokens, vocab, hidden]``
         products instead of three; saves ``[B * T, H]`` in fp32 instead of ``m`` and ``s``).
+      backend: ``"xla"`` (any device and dtype) or ``"mosaic"``: the frozen head's logits by the Mosaic GPU kernel of
+        :mod:`jaxgrad.ops.lm_head_loss_mgpu`, which writes ``exp(Z - m_tile)`` and each vocabulary tile's maximum
+        and sum instead of ``Z`` (two fewer passes over each chunk's fp32 logits); it needs ``head_grad=False``,
+        ``chunk_vocab=None``, bf16 or f16 inputs and a Hopper GPU.
 
     Returns:
       the summed loss (``promote_types(dtype, float32)``: fp32 for bf16 and f32, f64 for f64) and the int32 count
@@ -369,16 +404,18 @@ def lm_head_loss(h, w, labels, *, ignore_index: int = -100, chunk_tokens: int = 
     _check_chunk(chunk_vocab, "chunk_vocab", where, optional=True)
     if not isinstance(head_grad, (bool, np.bool_)):
         raise TypeError(f"{where}: 'head_grad' must be a bool, got {head_grad!r}")
+    _check_backend(backend, h, w, head_grad, chunk_vocab, where)
     b, t, hidden = h.shape
     targets = shifted_targets(labels, ignore_index)
     count = jnp.sum(targets != ignore_index, dtype=jnp.int32)
     if b * t == 0:
         return jnp.zeros((), compute_dtype(h.dtype)), count
     chunk_vocab = w.shape[0] if chunk_vocab is None else int(chunk_vocab)
-    fused = _lm_head_loss if head_grad else _lm_head_loss_frozen_head
-    w = w if head_grad else jax.lax.stop_gradient(w)
-    total = fused(h.reshape(b * t, hidden), w, targets.reshape(b * t), int(ignore_index), int(chunk_tokens),
-                  chunk_vocab)
+    args = (h.reshape(b * t, hidden), w, targets.reshape(b * t), int(ignore_index), int(chunk_tokens), chunk_vocab)
+    if head_grad:
+        total = _lm_head_loss(*args)
+    else:
+        total = _lm_head_loss_frozen_head(*args[:1], jax.lax.stop_gradient(w), *args[2:], backend)
     return total, count
 
 
@@ -407,7 +444,8 @@ def audit_cases():
     """Cases for ``jaxgrad audit``: the summed loss as a function of ``(h, w)`` (labels fixed per size,
     :func:`audit_labels`), at sizes whose tokens and vocabulary no chunk divides; token chunks only, and token and
     vocabulary chunks (online log-sum-exp); and the frozen head (``head_grad=False``, ``dh`` formed in the forward)
-    as a function of ``h`` alone, the head a fixed draw of each size."""
+    as a function of ``h`` alone, the head a fixed draw of each size; and the frozen head on the Mosaic kernel
+    (bf16, GPU only) at sizes its tiles do not divide."""
     from jaxgrad.ops.registry import OpAudit
 
     def labels_of(h, w):
@@ -422,7 +460,8 @@ def audit_cases():
         return lm_head_loss_reference(h, w, labels_of(h, w))[0]
 
     sizes = ((2, 7, 12, 37), (2, 13, 20, 61), (3, 11, 24, 101))
-    vocab_of = {hidden: vocab for _, _, hidden, vocab in sizes}
+    gpu_sizes = ((2, 77, 96, 1000), (2, 128, 256, 2051))  # the Mosaic kernel's tiles (256 rows, 128 columns) too
+    vocab_of = {hidden: vocab for _, _, hidden, vocab in sizes + gpu_sizes}
 
     def frozen_head(hidden, dtype):
         """The frozen head of a size: a constant of ``h``, the same values whatever the dtype of the call
@@ -443,8 +482,17 @@ def audit_cases():
     def frozen_make_args(key, size):
         return audit_make_args(key, size)[:1]
 
+    def frozen_mosaic(h):
+        w = frozen_head(h.shape[2], h.dtype)
+        return lm_head_loss(h, w, labels_of(h, w), chunk_tokens=64, head_grad=False, backend="mosaic")[0]
+
+    def bf16_make_args(key, size):
+        return (audit_make_args(key, size)[0].astype(jnp.bfloat16),)
+
     return (OpAudit("lm_head_loss[xla]", fused(None), reference, audit_make_args, sizes, arg_names=("h", "w")),
             OpAudit("lm_head_loss[xla] vocab chunks", fused(16), reference, audit_make_args, sizes,
                     arg_names=("h", "w")),
             OpAudit("lm_head_loss[xla] frozen head", frozen, frozen_reference, frozen_make_args, sizes,
-                    arg_names=("h",)))
+                    arg_names=("h",)),
+            OpAudit("lm_head_loss[mosaic] frozen head", frozen_mosaic, frozen_reference, bf16_make_args, gpu_sizes,
+                    arg_names=("h",), backend="mosaic"))

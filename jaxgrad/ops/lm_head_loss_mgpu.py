@@ -1,0 +1,243 @@
+r"""The LM head's logits with the softmax's per-tile statistics in the epilogue: one Mosaic GPU kernel on Hopper
+(``wgmma``), the ``mosaic`` backend of :func:`jaxgrad.ops.lm_head_loss.lm_head_loss` with a frozen head.
+
+For hidden rows ``h [M, H]`` and the head ``W [V, H]`` (16-bit), with the vocabulary cut into tiles
+:math:`\tau` of ``tile_n`` columns, the kernel computes each output tile :math:`Z_\tau = h W_\tau^\top` in fp32
+registers (the K loop of :mod:`jaxgrad.ops.lora_linear_mgpu`: two compute warpgroups on ``wgmma``, a memory
+warpgroup streaming ``h`` and ``W`` tiles by TMA) and, instead of storing ``Z``, its epilogue writes
+
+.. math::
+
+    m_{i\tau} = \max_{v \in \tau} z_{iv}, \qquad
+    P_{iv} = e^{z_{iv} - m_{i\tau}} \;(v \in \tau), \qquad
+    s_{i\tau} = \sum_{v \in \tau} P_{iv},
+
+``P [M, V]`` in fp32 and ``m``, ``s`` as ``[V / tile_n, M]`` fp32 (a row per vocabulary tile, so that each
+warpgroup's store is contiguous). Columns past ``V`` (the head padded to a whole tile) are ``-inf`` logits: they add
+nothing to ``s`` and their ``P`` is 0. The row's statistics follow on XLA from the ``[V / tile_n, M]`` partials:
+
+.. math::
+
+    m_i = \max_\tau m_{i\tau}, \qquad s_i = \sum_\tau s_{i\tau} e^{m_{i\tau} - m_i}, \qquad
+    \operatorname{softmax}(z_i)_v = P_{iv}\, \frac{e^{m_{i\tau(v)} - m_i}}{s_i},
+
+and ``lse_i = m_i + log s_i``. What this saves against XLA's chunked form (cuBLAS's fp32 ``Z``, then a pass for
+the row maximum, one for the sum of exponentials and one forming ``dZ``): two reads of the fp32 ``[M, V]`` block.
+``P`` is the same bytes as ``Z``, and ``dZ = P e^{m_\tau - m} / s - onehot`` is one pass over it. The target logit
+is not in the epilogue: ``z_{i y_i} = h_i \cdot W_{y_i}`` is one ``[M, H]`` product by XLA (fp32 accumulation of
+the same bf16 products, in another order).
+
+Exponentials are ``exp2`` of ``(z - m) \log_2 e`` (the GPU's ``ex2``, relative error about ``2^{-22}``), far below
+the bf16 rounding ``dZ`` gets for its product.
+
+Scope: bf16 or f16 operands; shapes padded to the tiles (rows to ``2 tile_m``, ``H`` to ``tile_k``, ``V`` to
+``tile_n``) by :func:`lm_head_softmax_tiles_mgpu` (zero rows of ``h`` give rows of ``P`` that are sliced off; zero
+columns of ``H`` add exact zeros). It needs a Hopper GPU (Mosaic GPU has no public interpreter): GPU tests compare it
+with the formulas at fresh random inputs and odd sizes; on a CPU its lowering is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxgrad.ops.dtypes import compute_dtype
+
+__all__ = ["TileConfig", "lm_head_softmax_tiles_mgpu", "row_statistics", "softmax_tiles_reference", "supported"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tiles of :func:`lm_head_softmax_tiles_mgpu` (a CTA computes ``2 tile_m x tile_n`` of ``P``)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 3  # 3 x 48 KiB of operand stages + 32 KiB of fp32 epilogue slots: < 227 KiB
+    epi_tile_m: int = 64
+    epi_tile_n: int = 32  # fp32: 128 bytes a row
+    grid_tile_width: int = 8  # planar snake over the output tiles: L2 reuse of W and h
+
+
+def supported(h, w) -> str | None:
+    """``None`` when :func:`lm_head_softmax_tiles_mgpu` can run these operands, else why not (naming the
+    argument)."""
+    if getattr(h, "ndim", None) != 2 or getattr(w, "ndim", None) != 2:
+        return f"'h' and 'w' must be 2-D ([M, H], [V, H]), got shapes {jnp.shape(h)} and {jnp.shape(w)}"
+    if h.shape[1] != w.shape[1]:
+        return f"'h' [M, H] and 'w' [V, H] must share H, got {h.shape} and {w.shape}"
+    dts = {jnp.dtype(h.dtype), jnp.dtype(w.dtype)}
+    if len(dts) != 1 or dts.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"'h' and 'w' must share one 16-bit dtype (bf16 or f16), got {h.dtype} and {w.dtype}"
+    return None
+
+
+def _kernel(h_gmem, w_gmem, p_gmem, m_gmem, s_gmem, *, cfg: TileConfig, vocab: int):
+    """``P``, ``m``, ``s`` of the module doc for the padded operands; ``vocab`` is the unpadded ``V``."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    dtype = h_gmem.dtype
+    m, k = h_gmem.shape
+    n = p_gmem.shape[1]
+    tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    cta_m = 2 * tile_m  # warpgroup i owns rows [i tile_m, (i + 1) tile_m) of the CTA's tile
+    m_iters, n_iters, k_iters = m // cta_m, n // tile_n, k // tile_k
+    log2e = math.log2(math.e)
+
+    def smem_transforms(minor, dt=dtype):  # TMA/wgmma layout of a [rows, minor] tile
+        size = jnp.dtype(dt).itemsize
+        swizzle = plgpu.find_swizzle(minor * size * 8)
+        return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
+
+    def spec(shape, index):
+        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), spec((tile_n, tile_k), lambda kk: (0, kk))],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
+    slots = min(2, (tile_m // epi_m) * (tile_n // epi_n))
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(h_gmem, w_gmem),
+        p_smem=plgpu.SMEM((2, slots, epi_m, epi_n), jnp.float32, transforms=smem_transforms(epi_n, jnp.float32)),
+        m_smem=plgpu.SMEM((2, tile_m), jnp.float32),
+        s_smem=plgpu.SMEM((2, tile_m), jnp.float32),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, p_smem, m_smem, s_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+        def _mn_loop(info):
+            (lin,) = info.index
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.grid_tile_width)
+            cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
+            n_slice = pl.ds(n_idx * tile_n, tile_n)
+            wg_m_slice = pl.ds(wg * tile_m, tile_m)
+            rows = pl.ds(m_idx * cta_m + wg * tile_m, tile_m)
+
+            def compute_context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    z = acc_ref[...]
+                    cols = plgpu.broadcasted_iota(jnp.int32, (tile_m, tile_n), 1, layout=plgpu.Layout.WGMMA)
+                    z = jnp.where(cols + n_idx * tile_n < vocab, z, -jnp.inf)  # the head's padding columns
+                    m_t = z.max(axis=1)
+                    p = jnp.exp2(z * log2e - lax.broadcast_in_dim(m_t * log2e, z.shape, [0]))
+                    s_t = p.sum(axis=1)
+                    # the previous tile's stores have read their shared memory before it is written again
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    m_smem[wg] = m_t
+                    s_smem[wg] = s_t
+                    for ei in range(tile_m // epi_m):
+                        for ej in range(tile_n // epi_n):
+                            em, en = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
+                            slot = (ei * (tile_n // epi_n) + ej) % slots
+                            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                            p_smem[wg, slot] = p[em, en]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                p_smem.at[wg, slot], p_gmem.at[cta_m_slice, n_slice].at[wg_m_slice].at[em, en])
+                    plgpu.copy_smem_to_gmem(m_smem.at[wg], m_gmem.at[n_idx, rows])
+                    plgpu.copy_smem_to_gmem(s_smem.at[wg], s_gmem.at[n_idx, rows])
+
+            def mma_body(_, h_smem, w_smem, acc_ref):
+                plgpu.wgmma(acc_ref, h_smem.at[wg_m_slice], w_smem.transpose((1, 0)))  # Z += h_k W_k^T
+                plgpu.wgmma_wait(0)  # this step's product before the next step is issued
+                return acc_ref
+
+            pipeline(mma_body, compute_context)(h_gmem.at[cta_m_slice, :], w_gmem.at[n_slice, :],
+                                                allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _num_sms() -> int:
+    from jax.extend import backend
+
+    return backend.get_default_device().core_count
+
+
+def _pad(t, multiples):
+    widths = [(0, (-n) % mult) for n, mult in zip(t.shape, multiples)]
+    return t if not any(p for _, p in widths) else jnp.pad(t, widths)
+
+
+@functools.partial(jax.jit, static_argnames=("vocab", "config", "num_sms"))
+def _call(h, w, *, vocab, config, num_sms):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, n = h.shape[0], w.shape[0]
+    tiles = n // config.tile_n
+    f = plgpu.kernel(
+        functools.partial(_kernel, cfg=config, vocab=vocab),
+        out_type=(jax.ShapeDtypeStruct((m, n), jnp.float32),
+                  jax.ShapeDtypeStruct((tiles, m), jnp.float32),
+                  jax.ShapeDtypeStruct((tiles, m), jnp.float32)),
+        grid=(num_sms,),
+        grid_names=("cluster_grid",),
+        num_threads=3,  # two compute warpgroups and the memory warpgroup
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return f(h, w)
+
+
+def lm_head_softmax_tiles_mgpu(h, w, config: TileConfig = TileConfig(), num_sms: int | None = None):
+    r"""``(P, m_tiles, s_tiles)`` of the module doc for ``h [M, H]`` and ``w [V, H]`` (one 16-bit dtype).
+
+    Returns:
+      ``P`` ``[M, V_pad]`` fp32 (``V_pad = V`` rounded up to ``tile_n``; its columns past ``V`` are 0),
+      ``m_tiles`` and ``s_tiles`` ``[V_pad / tile_n, M]`` fp32: each vocabulary tile's row maximum and sum of
+      ``P``. :func:`row_statistics` turns them into the rows' ``m``, ``s`` and the softmax's per-tile factor.
+    """
+    why = supported(h, w)
+    if why is not None:
+        raise ValueError(f"lm_head_softmax_tiles_mgpu: {why}")
+    c = config
+    m, v = h.shape[0], w.shape[0]
+    p, m_t, s_t = _call(_pad(h, (2 * c.tile_m, c.tile_k)), _pad(w, (c.tile_n, c.tile_k)), vocab=int(v), config=c,
+                        num_sms=int(num_sms or _num_sms()))
+    return p[:m], m_t[:, :m], s_t[:, :m]
+
+
+def row_statistics(m_tiles, s_tiles):
+    r"""``(m, s, factor)`` from the per-tile partials ``[tiles, M]``: the row maximum ``m_i = max_tau m_{i tau}``,
+    the sum ``s_i = sum_tau s_{i tau} e^{m_{i tau} - m_i}`` (so ``lse = m + log s``), and ``factor [M, tiles] =
+    e^{m_{i tau} - m_i} / s_i``, by which a tile's ``P`` becomes the softmax."""
+    m = jnp.max(m_tiles, axis=0)
+    rel = jnp.exp(m_tiles - m[None, :])
+    s = jnp.sum(s_tiles * rel, axis=0)
+    return m, s, (rel / s[None, :]).T
+
+
+def softmax_tiles_reference(h, w, tile_n: int = TileConfig.tile_n):
+    """What :func:`lm_head_softmax_tiles_mgpu` returns, in plain JAX (logits in ``promote_types(dtype, float32)``,
+    ``exp`` instead of ``exp2``): the oracle of the kernel's GPU tests, and its stand-in where the kernel cannot run
+    (the float64 CPU tests of the code around it)."""
+    v = w.shape[0]
+    vp = -(-v // tile_n) * tile_n
+    z = jnp.einsum("mh,vh->mv", h, w, preferred_element_type=compute_dtype(h.dtype))
+    z = jnp.pad(z, ((0, 0), (0, vp - v)), constant_values=-jnp.inf).reshape(h.shape[0], vp // tile_n, tile_n)
+    m_t = jnp.max(z, axis=-1)
+    p = jnp.exp(z - m_t[..., None])
+    return p.reshape(h.shape[0], vp), m_t.T, jnp.sum(p, axis=-1).T
