@@ -46,6 +46,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxgrad.ops import mgpu_common
+from jaxgrad.ops.mgpu_common import num_sms as _num_sms, pad_to_multiple
+
 from jaxgrad.ops.dtypes import compute_dtype
 
 __all__ = ["TileConfig", "lm_head_softmax_tiles_mgpu", "row_statistics", "softmax_tiles_reference", "supported"]
@@ -92,9 +95,7 @@ def _kernel(h_gmem, w_gmem, p_gmem, m_gmem, s_gmem, *, cfg: TileConfig, vocab: i
     log2e = math.log2(math.e)
 
     def smem_transforms(minor, dt=dtype):  # TMA/wgmma layout of a [rows, minor] tile
-        size = jnp.dtype(dt).itemsize
-        swizzle = plgpu.find_swizzle(minor * size * 8)
-        return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
+        return mgpu_common.smem_transforms(minor, dt)
 
     def spec(shape, index):
         return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
@@ -171,17 +172,6 @@ def _kernel(h_gmem, w_gmem, p_gmem, m_gmem, s_gmem, *, cfg: TileConfig, vocab: i
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _num_sms() -> int:
-    from jax.extend import backend
-
-    return backend.get_default_device().core_count
-
-
-def _pad(t, multiples):
-    widths = [(0, (-n) % mult) for n, mult in zip(t.shape, multiples)]
-    return t if not any(p for _, p in widths) else jnp.pad(t, widths)
-
-
 @functools.partial(jax.jit, static_argnames=("vocab", "config", "num_sms"))
 def _call(h, w, *, vocab, config, num_sms):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -215,8 +205,8 @@ def lm_head_softmax_tiles_mgpu(h, w, config: TileConfig = TileConfig(), num_sms:
         raise ValueError(f"lm_head_softmax_tiles_mgpu: {why}")
     c = config
     m, v = h.shape[0], w.shape[0]
-    p, m_t, s_t = _call(_pad(h, (2 * c.tile_m, c.tile_k)), _pad(w, (c.tile_n, c.tile_k)), vocab=int(v), config=c,
-                        num_sms=int(num_sms or _num_sms()))
+    p, m_t, s_t = _call(pad_to_multiple(h, (2 * c.tile_m, c.tile_k)), pad_to_multiple(w, (c.tile_n, c.tile_k)),
+                        vocab=int(v), config=c, num_sms=int(num_sms or _num_sms()))
     return p[:m], m_t[:, :m], s_t[:, :m]
 
 

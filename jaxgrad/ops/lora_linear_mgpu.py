@@ -53,6 +53,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxgrad.ops import mgpu_common
+from jaxgrad.ops.mgpu_common import num_sms as _num_sms, pad_to_multiple
+
 __all__ = ["TileConfig", "lora_linear_dx_mgpu", "lora_linear_fwd_mgpu", "supported", "supported_dx"]
 
 
@@ -81,13 +84,6 @@ def _why_not(arrays) -> str | None:
     if len(dts) != 1 or dts.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the operands must share one 16-bit dtype (bf16 or f16), got {[str(t.dtype) for t in arrays]}"
     return None
-
-
-def _pad(t, multiples):
-    """``t`` zero-padded at the end of each axis to a multiple of ``multiples[axis]`` (unchanged where it is one).
-    Zero rows and columns add exact zeros to every fp32 sum, so the padded product's leading block is the product."""
-    widths = [(0, (-n) % m) for n, m in zip(t.shape, multiples)]
-    return t if not any(p for _, p in widths) else jnp.pad(t, widths)
 
 
 def supported(x, w, a, b, config: TileConfig = TileConfig()) -> str | None:
@@ -133,9 +129,7 @@ def _kernel(lhs_gmem, r1_gmem, rank_gmem, r3t_gmem, y_gmem, *, cfg: TileConfig, 
     m_iters, n_iters, k_iters = m // cta_m, n // tile_n, k // tile_k
 
     def smem_transforms(minor, dt=dtype):  # TMA/wgmma layout of a [rows, minor] tile
-        size = jnp.dtype(dt).itemsize
-        swizzle = plgpu.find_swizzle(minor * size * 8)
-        return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
+        return mgpu_common.smem_transforms(minor, dt)
 
     def spec(shape, index):
         return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
@@ -215,12 +209,6 @@ def _kernel(lhs_gmem, r1_gmem, rank_gmem, r3t_gmem, y_gmem, *, cfg: TileConfig, 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _num_sms() -> int:
-    from jax.extend import backend
-
-    return backend.get_default_device().core_count
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "config", "num_sms", "mode", "out_dtype", "emit_rank"))
 def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, emit_rank=False):
     """``mode="fwd"``: ``X W^T + s (X A^T) B^T`` (lhs = X); ``mode="dx"``: ``dY W + s (dY B) A`` (lhs = dY).
@@ -270,8 +258,9 @@ def lora_linear_fwd_mgpu(x, w, a, b, scale: float, config: TileConfig = TileConf
         raise ValueError(f"lora_linear_fwd_mgpu: {why}")
     m, n, r = x2.shape[0], w.shape[0], a.shape[0]
     c = config
-    out = _call(_pad(x2, (2 * c.tile_m, c.tile_k)), _pad(w, (c.tile_n, c.tile_k)), _pad(a, (16, c.tile_k)),
-                _pad(b, (c.tile_n, 16)), scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
+    pad = pad_to_multiple
+    out = _call(pad(x2, (2 * c.tile_m, c.tile_k)), pad(w, (c.tile_n, c.tile_k)), pad(a, (16, c.tile_k)),
+                pad(b, (c.tile_n, 16)), scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
                 emit_rank=return_su)
     if return_su:
         return out[0][:m, :n].reshape(*lead, n), out[1][:m, :r].reshape(*lead, r)
@@ -298,8 +287,9 @@ def lora_linear_dx_mgpu(dy, w, a, b, scale: float, out_dtype=jnp.float32, config
         raise ValueError(f"lora_linear_dx_mgpu: {why}")
     (m, _), k, r = d2.shape, w.shape[1], a.shape[0]
     c = config
-    out = _call(_pad(d2, (2 * c.tile_m, c.tile_k)), _pad(w, (c.tile_k, c.tile_n)), _pad(a, (16, c.tile_n)),
-                _pad(b, (c.tile_k, 16)), scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
+    pad = pad_to_multiple
+    out = _call(pad(d2, (2 * c.tile_m, c.tile_k)), pad(w, (c.tile_k, c.tile_n)), pad(a, (16, c.tile_n)),
+                pad(b, (c.tile_k, 16)), scale=float(scale), config=config, num_sms=int(num_sms or _num_sms()),
                 mode="dx", out_dtype=jnp.dtype(out_dtype), emit_rank=return_sg)
     if return_sg:
         return out[0][:m, :k].reshape(*lead, k), out[1][:m, :r].reshape(*lead, r)
