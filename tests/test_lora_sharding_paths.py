@@ -1,6 +1,6 @@
 """Every code path of the LoRA step runs sharded over ``fsdp`` 8 (fake CPU devices) as it runs on one device: two
 Adam steps with gradient accumulation, gradient checkpointing (``full``, ``dots_saveable``: composed with the
-policy that never saves a layer's gathered weights), the Pallas block and flash attention (interpret mode), the
+policy that never saves a layer's gathered weights), ``block_recompute = "all"``, the Pallas block and flash attention (interpret mode), the
 logits loss, ``grad_path = "reference"`` (``jax.grad`` of the plain block), float64 to 1e-12; and LoRA dropout
 draws the same masks on ``fsdp`` 8 as on ``data`` 8 (each batch shard folds its index into the key).
 
@@ -33,6 +33,7 @@ two = TrainConfig(steps=2, optimizer="adam", lr=1e-2, seed=3)
 cases = {"accumulate 2": ({}, two.replace(accumulate=2)),
          "checkpointing full": ({"gradient_checkpointing": "full"}, two),
          "checkpointing dots_saveable": ({"gradient_checkpointing": "dots_saveable"}, two),
+         "block recompute all": ({"block_recompute": "all"}, two),
          "pallas block and attention": ({"backend": "pallas", "attention": "pallas"}, two.replace(steps=1)),
          "logits loss": ({"loss": "logits"}, two),
          "grad path reference": ({}, two.replace(grad_path="reference")),
@@ -57,7 +58,7 @@ print("REPORT" + json.dumps(report))
 @pytest.mark.slow  # ~55 s on the 2-core CPU (Pallas interpret mode, XLA compiles)
 def test_every_path_of_the_lora_step_trains_sharded_as_on_one_device():
     report = run_report(_CHILD)
-    assert len(report) == 7
+    assert len(report) == 8
     for name, r in report.items():
         assert r["params"] <= 1e-12 and r["losses"] <= 1e-12, (name, r)
         assert r["moved"] > 1e-6, (name, r)

@@ -149,6 +149,7 @@ from jaxgrad.ops.lora_linear import dropout_keep_scale, lora_linear_bwd, lora_li
 from jaxgrad.ops.rmsnorm import rms_norm_reference
 from jaxgrad.ops.rope import apply_rope_reference, rope_bwd_x, rope_cos_sin, rope_fwd
 from jaxgrad.ops.swiglu import swiglu_reference
+from jaxgrad.train.mesh import GatheredWeight
 
 __all__ = ["ATTENTIONS", "base_weight", "block", "block_reference", "check_attention", "validate_block_inputs"]
 
@@ -411,6 +412,23 @@ def _block_fwd(cfg, lcfg, attn, params, lora, x, positions, attention_mask, drop
     return y, saved + (() if segment_ids is None else (segment_ids,))
 
 
+def _gather_again(params, dy):
+    """``(params_dx, dy)``: the params for the backward's ``dY W`` products, with a sharded layer's projection weights
+    (:class:`~jaxgrad.train.mesh.GatheredWeight`) tied to ``dy`` by an optimisation barrier, so that XLA gathers
+    them again there instead of keeping the forward's whole copies alive through the layers that follow (the
+    recompute keeps the forward's weights: XLA shares it with the forward's identical computation). Other weights
+    pass unchanged."""
+    is_gathered = lambda x: isinstance(x, GatheredWeight)  # noqa: E731
+    leaves, tree = jax.tree.flatten(params, is_leaf=is_gathered)
+    at = [i for i, x in enumerate(leaves) if is_gathered(x)]
+    if not at:
+        return params, dy
+    tied, dy = jax.lax.optimization_barrier(([leaves[i] for i in at], dy))
+    for i, x in zip(at, tied):
+        leaves[i] = x
+    return jax.tree.unflatten(tree, leaves), dy
+
+
 def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     params, lora, x, positions, attention_mask, dropout_key, x2, r1, r2, lse = res[:10]
     segment_ids = res[10] if len(res) > 10 else None
@@ -430,11 +448,12 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     act = _recompute_mlp(cfg, params, x2_mlp, r2, projs, kern)
     act["us"] = us
     grads = {}
+    params_dx, dy = _gather_again(params, dy)
 
     def proj_bwd(h, g, n, dout):
         """LoRA linear backward: dh = dY W + s m (G A), dA = s G^T drop(h), dB = s dY^T U."""
         a, bb = _adapter(lora, lcfg, g, n)
-        w = params[g][n]["weight"]
+        w = params_dx[g][n]["weight"]
         keep = _keep(lcfg, dropout_key, g, n, h.shape, dt)
         dx_full, sg = kern.lora_dx(dout, w, a, bb, s, keep, dt) or (None, None)  # the Mosaic GPU kernel, else None
         dyw = None if dx_full is not None else kern.base_dx(dout, w, dt)  # dY W by the NF4 kernel (pallas backend)
@@ -450,7 +469,7 @@ def _block_bwd(cfg, lcfg, attn, kern, res, dy):
     def projs_bwd(h, names, douts):
         """dh of the projections ``names`` of one input h (the sum over them): one GEMM [dY... | s G...] [W...; A...]
         (grouped.py), else one by one; records their A/B gradients."""
-        ws = [params[g][n]["weight"] for g, n in names]
+        ws = [params_dx[g][n]["weight"] for g, n in names]
         if not groupable(kern, ws, dropout):
             dh = proj_bwd(h, *names[0], douts[0])
             for (g, n), dout in zip(names[1:], douts[1:]):

@@ -49,6 +49,7 @@ from jaxgrad.ops.nf4 import NF4Weight, nf4_absmax, nf4_dequantize
 from jaxgrad.ops.rmsnorm import rms_norm_apply, rms_norm_bwd, rms_norm_bwd_pallas, rms_norm_fwd_pallas, rms_norm_rstd
 from jaxgrad.ops.swiglu import _bwd_math as swiglu_bwd_math
 from jaxgrad.ops.swiglu import swiglu_bwd_pallas, swiglu_fwd_pallas, swiglu_reference
+from jaxgrad.train.mesh import GatheredWeight, whole
 
 __all__ = ["BACKENDS", "BlockKernels", "base_weight"]
 
@@ -57,7 +58,9 @@ BACKENDS = ("xla", "reference", "pallas", "mosaic")  # block(backend=...); "refe
 
 def base_weight(w, dtype):
     """The frozen ``[out, in]`` weight in ``dtype``: ``w`` itself if it is an array, else an NF4 weight dequantised
-    (:func:`jaxgrad.ops.nf4.nf4_dequantize`). The XLA path's base operand, and what the Mosaic GPU kernels read."""
+    (:func:`jaxgrad.ops.nf4.nf4_dequantize`); a :class:`~jaxgrad.train.mesh.GatheredWeight` (a sharded layer's)
+    gathered first. The XLA path's base operand, and what the Mosaic GPU kernels read."""
+    w = whole(w)
     if isinstance(w, (jax.Array, np.ndarray)):
         return w if w.dtype == dtype else w.astype(dtype)
     return nf4_dequantize(w, dtype)
@@ -72,6 +75,7 @@ def _on_gpu() -> bool:
 def _nf4_operands(w: NF4Weight):
     """What the NF4 kernels read: packed uint8 codes, the float32 absmax per block (double quantisation decoded
     here: ``n / blocksize`` values, small), the static shape and blocksize."""
+    w = whole(w)
     return jnp.asarray(w.packed, jnp.uint8), nf4_absmax(w), tuple(w.shape), int(w.blocksize)
 
 
@@ -174,7 +178,7 @@ class BlockKernels:
         return swiglu_bwd_math(e.astype(cdt), u.astype(cdt), dm)
 
     def nf4_kernel(self, w) -> bool:
-        return self.pallas and isinstance(w, NF4Weight)
+        return self.pallas and isinstance(w.value if isinstance(w, GatheredWeight) else w, NF4Weight)
 
     def base_fwd(self, h, w):
         """``h W^T`` in fp32 (f64 for f64) by the NF4 kernel, or ``None`` where the XLA path computes it (also for

@@ -15,13 +15,17 @@ What lies where, on a mesh ``("data", "fsdp")`` of ``D x F`` devices (:func:`jax
 * **The batch** is split over all ``D F`` devices.
 
 The step (:func:`jaxgrad.train.grads.plan_sum_loss`) runs, per device and inside :func:`jax.shard_map`, the model on
-the device's rows: the embedding and the head are all-gathered once, and layer ``i``'s weights are all-gathered
-(:func:`jax.lax.all_gather` over ``fsdp``) just before its block, inside a ``jax.checkpoint`` whose policy saves
-everything but the gathered weights: the block's custom VJP, its Pallas / Mosaic kernels and cuDNN attention see
-plain whole arrays, exactly as on one device, while the backward gathers the layer again instead of keeping every
-layer's full weights from the forward. About one layer's full weights (plus the embedding and the head) are alive
-at a time (XLA's scheduler may start the next layer's gather early, to overlap it with compute; measured on the
-CPU: ``tests/test_lora_sharding.py``). The gradient of the adapters is the ``psum`` over the mesh of the per-device
+the device's rows: the embedding and the head are all-gathered once, and layer ``i``'s projection weights reach its
+block as :class:`~jaxgrad.train.mesh.GatheredWeight` -- the device's shards, all-gathered
+(:func:`jax.lax.all_gather` over ``fsdp``) where the block uses them: its Pallas / Mosaic kernels and cuDNN
+attention see plain whole arrays, exactly as on one device. The block's custom VJP saves the shards, not the whole
+weights; its backward's recompute shares the forward's gathered weights (XLA merges the two identical
+computations, as on one device), and its ``dY W`` products gather the layer again (tied to ``dY`` by an
+optimisation barrier), so no layer's whole weights are kept from the forward through the layers after it. About one
+layer's full weights (plus the embedding and the head) are alive at a time, and the step does the arithmetic of one
+device's (measured on the CPU: ``tests/test_lora_sharding.py``). A checkpointing policy puts each layer under
+``jax.checkpoint`` as on one device, with a policy that never saves a gather's output; so does the reference path
+(``jax.grad`` of the plain block, which would save the gathered weights), which gathers before the block. The gradient of the adapters is the ``psum`` over the mesh of the per-device
 gradients (``psum_scatter`` over ``fsdp`` then ``psum`` over ``data`` when they are sharded): the same sum as on one
 device, in another order, equal to 1e-12 in float64.
 
@@ -50,8 +54,8 @@ from jaxgrad.ops.lm_head_loss import lm_head_loss
 from jaxgrad.ops.nf4 import NF4Weight
 from jaxgrad.train.errors import ConfigError
 from jaxgrad.train.grads import plan_sum_loss
-from jaxgrad.train.mesh import (ShardPlan, axis_spec, fsdp_size, gather, put, shard_axis, shard_batch,
-                                spec_axis)
+from jaxgrad.train.mesh import (ShardPlan, axis_spec, fsdp_size, gather, gathered_weight, put, shard_axis,
+                                shard_batch, spec_axis)
 from jaxgrad.train.precision import Policy
 from jaxgrad.train.step import split_trainable
 from jaxgrad.train.task import Task
@@ -95,6 +99,15 @@ def _gather_tree(tree, specs):
     return jax.tree.map(one, tree, specs, is_leaf=lambda x: isinstance(x, NF4Weight))
 
 
+def _lazy_layer(layer: dict, specs: dict, fsdp: int) -> dict:
+    """The layer with its projection weights as :class:`~jaxgrad.train.mesh.GatheredWeight` (gathered inside the
+    block where each is used, in the forward and again in the backward) and its other weights (the norms, whole)
+    gathered now."""
+    is_nf4 = lambda x: isinstance(x, NF4Weight)  # noqa: E731
+    return {k: (jax.tree.map(lambda x, s: gathered_weight(x, s, fsdp), v, specs[k], is_leaf=is_nf4)
+                if k in _PROJ_GROUPS else _gather_tree(v, specs[k])) for k, v in layer.items()}
+
+
 def gather_policy(gradient_checkpointing: str):
     """The ``jax.checkpoint`` policy of a layer's gather-and-block: the model's ``gradient_checkpointing`` policy,
     except that an ``all_gather``'s output (the layer's whole weights) is never saved: the backward gathers the
@@ -122,10 +135,16 @@ def _split_projections(base: dict) -> tuple[dict, list]:
     return {**base, "layers": rest}, projs
 
 
-def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference: bool):
-    """The per-device loss ``(params, consts, batch[, key]) -> (S, n)`` on a device's shards (module docstring)."""
+def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference: bool, fsdp: int):
+    """The per-device loss ``(params, consts, batch[, key]) -> (S, n)`` on a device's shards (module docstring).
+    A layer's projection weights reach its block as :class:`~jaxgrad.train.mesh.GatheredWeight`: the block's VJP
+    saves their shards and gathers where it uses them, so the layers need no ``jax.checkpoint`` (which would make
+    each block's backward recompute its whole forward, ``block_recompute="all"``'s work, instead of the VJP's shared
+    recompute) unless the model asks for a checkpointing policy; the reference path (``jax.grad`` of the plain
+    block) gathers before the block, under ``jax.checkpoint`` when ``fsdp > 1``."""
     base_specs = specs["base"]
     policy = gather_policy(cfg.gradient_checkpointing)
+    remat = cfg.gradient_checkpointing != "none" or (reference and fsdp > 1)
     attention = ("xla" if path.attention == "pallas" else path.attention) if reference else path.attention
     backend = "reference" if reference else path.backend
 
@@ -140,7 +159,11 @@ def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference:
 
         def layer_call(i, fn, layer, layer_lora, h, k):
             def run(layer, layer_lora, h, k):
-                return fn(_gather_tree(layer, layer_specs[i]), layer_lora, h, k)
+                if reference:  # jax.grad of the plain block would save the gathered weights: jax.checkpoint drops them
+                    return fn(_gather_tree(layer, layer_specs[i]), layer_lora, h, k)
+                return fn(_lazy_layer(layer, layer_specs[i], fsdp), layer_lora, h, k)
+            if not remat:
+                return run(layer, layer_lora, h, k)
             return jax.checkpoint(run, policy=policy)(layer, layer_lora, h, k)
 
         kwargs = dict(backend=backend, attention=attention, dropout_key=key, layer_call=layer_call,
@@ -222,7 +245,7 @@ def make_sharded_task(fit: LoraFit, mesh, *, grad_path: str = "custom_vjp", devi
     abstract = jax.eval_shape(task.init, jax.random.key(0))
     specs = param_specs(abstract, n)
     plan_kwargs = dict(consts=consts, consts_specs=consts_specs, shard_trainable=shard_trainable)
-    specs_fn = (lambda reference: _sharded_loss(fit, cfg, lcfg, path, specs, consts_specs, reference))
+    specs_fn = (lambda reference: _sharded_loss(fit, cfg, lcfg, path, specs, consts_specs, reference, n))
     plan = ShardPlan(param_specs=specs, loss=specs_fn(False), reference_loss=specs_fn(True),
                      describe=_describe(abstract, specs, consts, n, shard_trainable), **plan_kwargs)
     return dataclasses.replace(task, evaluate=_sharded_evaluate(task, plan, mesh, grad_path)), plan

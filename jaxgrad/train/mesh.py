@@ -188,6 +188,60 @@ def gather(x, spec: PartitionSpec):
     return x if axis is None else jax.lax.all_gather(x, FSDP_AXIS, axis=axis, tiled=True)
 
 
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class GatheredWeight:
+    """A frozen weight held as this device's ``fsdp`` shards inside :func:`jax.shard_map` and all-gathered where it
+    is used (:func:`whole`), not before: a custom VJP that takes it saves the shards as its residual and gathers
+    again in its backward, so no device keeps a layer's whole weight from the forward to the backward, and the VJP's
+    own recompute is kept (``jax.checkpoint``, the other way to drop a gathered weight, recomputes a custom VJP's
+    whole forward).
+
+    Attributes:
+      value: an array, or a pytree of arrays (an NF4 weight's bytes and scales), each leaf this device's piece.
+      axes: static, one per leaf of ``value`` (flattening order): the axis the leaf is split along, ``None`` whole.
+      shape: static, the whole weight's shape (what ``value`` gathers to; an NF4 weight's ``[out, in]``).
+    """
+
+    value: Any
+    axes: tuple
+    shape: tuple
+
+    def tree_flatten(self):
+        return (self.value,), (self.axes, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def gather(self):
+        """The whole weight (inside :func:`jax.shard_map`; ``all_gather``, tiled, of each split leaf)."""
+        leaves, tree = jax.tree.flatten(self.value)
+        return jax.tree.unflatten(tree, [x if a is None else jax.lax.all_gather(x, FSDP_AXIS, axis=a, tiled=True)
+                                         for x, a in zip(leaves, self.axes, strict=True)])
+
+
+def gathered_weight(x, spec, fsdp: int):
+    """``x`` (an array, or an NF4 weight whose leaves' specs ``spec`` gives leaf for leaf) as a
+    :class:`GatheredWeight` on an ``fsdp`` axis of ``fsdp`` devices, or ``x`` itself where nothing of it is split."""
+    leaves = jax.tree.leaves(x)
+    axes = tuple(spec_axis(s) for s in jax.tree.leaves(spec, is_leaf=is_spec))
+    if len(axes) != len(leaves):
+        raise ValueError(f"gathered_weight: {len(axes)} specs for {len(leaves)} leaves")
+    if all(a is None for a in axes):
+        return x
+    if isinstance(x, (jax.Array, np.ndarray)):  # an array: its shard's shape, times fsdp along the split axis
+        shape = tuple(d * (fsdp if i == axes[0] else 1) for i, d in enumerate(np.shape(x)))
+    else:  # a structured weight (NF4) states its whole shape
+        shape = x.shape
+    return GatheredWeight(x, axes, tuple(int(d) for d in shape))
+
+
+def whole(w):
+    """``w.gather()`` for a :class:`GatheredWeight`, else ``w``."""
+    return w.gather() if isinstance(w, GatheredWeight) else w
+
+
 def is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
 
