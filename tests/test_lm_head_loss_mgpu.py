@@ -151,3 +151,19 @@ def test_gpu_mosaic_backend_is_verified_at_bf16_and_agrees_with_xla(b, t, hidden
     if t <= 128:
         assert_vjp_matches(loss("mosaic"), lambda h: lm_head_loss_reference(h, w.astype(h.dtype), labels)[0], h,
                            arg_names=("h",))
+
+
+def test_the_head_follows_the_blocks_backend_where_it_qualifies(monkeypatch):
+    from jaxgrad.ops import lm_head_loss as mod
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert mod.backend_beside("mosaic", jnp.bfloat16, head_grad=False) == "mosaic"
+    assert mod.backend_beside("mosaic", jnp.float16, head_grad=False) == "mosaic"
+    for backend, dtype, head_grad, chunk_vocab in (("xla", jnp.bfloat16, False, None),
+                                                   ("pallas", jnp.bfloat16, False, None),
+                                                   ("mosaic", jnp.float32, False, None),  # f32: TF32 on XLA's dots
+                                                   ("mosaic", jnp.bfloat16, True, None),  # a trained head
+                                                   ("mosaic", jnp.bfloat16, False, 32768)):  # vocabulary chunks
+        assert mod.backend_beside(backend, dtype, head_grad, chunk_vocab) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert mod.backend_beside("mosaic", jnp.bfloat16, head_grad=False) == "xla"

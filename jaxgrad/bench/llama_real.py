@@ -26,7 +26,8 @@ Variants (:data:`VARIANTS`), each as its users run it:
 * ``jaxgrad``: the whole-block custom VJP (:func:`jaxgrad.lora.model.hidden_states`, ``backend`` mosaic on a Hopper
   GPU with bf16, else xla; cuDNN attention on a GPU, ``jax.nn.dot_product_attention(implementation="xla")``
   elsewhere), the fused LM-head loss (:func:`jaxgrad.ops.lm_head_loss.lm_head_loss`, no ``[tokens, vocab]``
-  logits; the head frozen, so ``dh`` is formed in the forward), ``gradient_checkpointing`` as ``--checkpointing``
+  logits; the head frozen, so ``dh`` is formed in the forward; on the blocks' backend where that is mosaic:
+  :func:`jaxgrad.ops.lm_head_loss.backend_beside`), ``gradient_checkpointing`` as ``--checkpointing``
   (default none: the VJP already recomputes inside each block), ``block_recompute="shared"`` (the VJP's recompute
   shared with the forward by XLA: fastest, the forward's activations alive until the backward), ``optax.adamw`` with
   the adapters and their moments donated;
@@ -309,7 +310,7 @@ def make_step(s: dict, variant: str):
     import optax
 
     from jaxgrad.lora.model import _hidden_states, _loss_fn, head_weight
-    from jaxgrad.ops.lm_head_loss import lm_head_loss
+    from jaxgrad.ops.lm_head_loss import backend_beside, lm_head_loss
 
     cfg, lcfg = configs(s, variant)
     backend, attention = resolve_backend(s, variant)
@@ -321,7 +322,8 @@ def make_step(s: dict, variant: str):
             return _loss_fn(lora, params, ids, ids, n_items, cfg, lcfg, backend=backend, attention=attention)
         h = _hidden_states(params, lora, ids, cfg, lcfg, backend=backend, attention=attention)
         total, _ = lm_head_loss(h, head_weight(params, cfg).astype(h.dtype), ids, chunk_tokens=s["chunk_tokens"],
-                                head_grad=False)  # LoRA: the head is frozen, dh is formed in the forward
+                                head_grad=False,  # LoRA: the head is frozen, dh is formed in the forward
+                                backend=backend_beside(backend, h.dtype, False))  # the model's own choice
         return total / n_items
 
     def step(lora, opt_state, params, ids, n_items):

@@ -48,7 +48,7 @@ from jaxgrad.checks import check_key
 from jaxgrad.lora.block import _block_reference, _block_sdpa, block, check_attention
 from jaxgrad.lora.config import PROJECTIONS, LlamaConfig, LoraConfig
 from jaxgrad.ops.attention import check_attention_mask, check_segment_ids
-from jaxgrad.ops.lm_head_loss import DEFAULT_CHUNK_TOKENS, check_label_range, lm_head_loss
+from jaxgrad.ops.lm_head_loss import DEFAULT_CHUNK_TOKENS, backend_beside, check_label_range, lm_head_loss
 from jaxgrad.ops.nf4 import NF4Weight
 from jaxgrad.ops.rmsnorm import rms_norm, rms_norm_reference
 
@@ -379,9 +379,10 @@ def causal_lm_loss_fused(params, lora, input_ids, labels, n_items, cfg: LlamaCon
         raise ValueError(f"causal_lm_loss_fused: 'n_items' must be > 0 (the non-ignored labels of the window), got "
                          f"{n_items}")
     h = hidden_states(params, lora, input_ids, cfg, lcfg, **apply_kwargs)
+    head_grad = bool(apply_kwargs.get("train_base", False)) if head_grad is None else head_grad
     total, _ = lm_head_loss(h, head_weight(params, cfg).astype(h.dtype), labels, ignore_index=ignore_index,
-                            chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
-                            head_grad=bool(apply_kwargs.get("train_base", False)) if head_grad is None else head_grad)
+                            chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, head_grad=head_grad,
+                            backend=backend_beside(apply_kwargs.get("backend", "xla"), h.dtype, head_grad, chunk_vocab))
     return total / n_items
 
 

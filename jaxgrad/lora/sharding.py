@@ -25,9 +25,10 @@ optimisation barrier), so no layer's whole weights are kept from the forward thr
 layer's full weights (plus the embedding and the head) are alive at a time, and the step does the arithmetic of one
 device's (measured on the CPU: ``tests/test_lora_sharding.py``). A checkpointing policy puts each layer under
 ``jax.checkpoint`` as on one device, with a policy that never saves a gather's output; so does the reference path
-(``jax.grad`` of the plain block, which would save the gathered weights), which gathers before the block. The gradient of the adapters is the ``psum`` over the mesh of the per-device
-gradients (``psum_scatter`` over ``fsdp`` then ``psum`` over ``data`` when they are sharded): the same sum as on one
-device, in another order, equal to 1e-12 in float64.
+(``jax.grad`` of the plain block, which would save the gathered weights), which gathers before the block. The
+gradient of the adapters is the ``psum`` over the mesh of the per-device gradients (``psum_scatter`` over ``fsdp``
+then ``psum`` over ``data`` when they are sharded): the same sum as on one device, in another order, equal to 1e-12
+in float64.
 
 :func:`make_sharded_task` builds the :class:`~jaxgrad.train.Task` and its :class:`~jaxgrad.train.mesh.ShardPlan`
 from a :class:`~jaxgrad.lora.task_config.LoraFit`; its parameters are the same tree as
@@ -50,7 +51,7 @@ from jaxgrad.lora.hf import quantize_projections
 from jaxgrad.lora.model import apply, causal_lm_loss, head_weight, hidden_states
 from jaxgrad.lora.task import _packing_args, load_base, load_tokenizer_of, lora_mask, make_task
 from jaxgrad.lora.task_config import LoraFit, resolve_path
-from jaxgrad.ops.lm_head_loss import lm_head_loss
+from jaxgrad.ops.lm_head_loss import backend_beside, lm_head_loss
 from jaxgrad.ops.nf4 import NF4Weight
 from jaxgrad.train.errors import ConfigError
 from jaxgrad.train.grads import plan_sum_loss
@@ -174,7 +175,8 @@ def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference:
             return causal_lm_loss(logits, batch["labels"], 1), n
         h = hidden_states(whole, params["lora"], batch["input_ids"], cfg, lcfg, **kwargs)
         s, _ = lm_head_loss(h, head_weight(whole, cfg).astype(h.dtype), batch["labels"],
-                            chunk_tokens=fit.loss_chunk_tokens, head_grad=False)  # LoRA modes: the head is frozen
+                            chunk_tokens=fit.loss_chunk_tokens, head_grad=False,  # LoRA modes: the head is frozen
+                            backend=backend_beside(backend, h.dtype, False))
         return s, n
 
     return loss

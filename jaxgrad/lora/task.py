@@ -76,7 +76,7 @@ from jaxgrad.lora.model import apply, causal_lm_loss, count_items, head_weight, 
 from jaxgrad.lora.stdlib_data import stdlib_files
 from jaxgrad.lora.task_config import (ATTENTIONS, BACKENDS, BYTE_VOCAB, DATA_FORMATS, DTYPES, FILE_FORMATS, LOSSES,
                                       MODES, OVERLONG, SAMPLE_BY, BlockPath, LoraFit, resolve_path)
-from jaxgrad.ops.lm_head_loss import lm_head_loss
+from jaxgrad.ops.lm_head_loss import backend_beside, lm_head_loss
 from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
@@ -285,8 +285,10 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
             return _sum_and_count(model(params, batch, path.backend, path.attention, key)[1], batch)
         base_params, h = model(params, batch, path.backend, path.attention, key, fn=hidden_states)
         # LoRA modes: the head is frozen, so dh is formed in the forward (head_grad=False); mode full trains it
+        head_grad = fit.mode == "full"
         s, _ = lm_head_loss(h, head_weight(base_params, cfg).astype(h.dtype), batch["labels"],
-                            chunk_tokens=fit.loss_chunk_tokens, head_grad=fit.mode == "full")
+                            chunk_tokens=fit.loss_chunk_tokens, head_grad=head_grad,
+                            backend=backend_beside(path.backend, h.dtype, head_grad))
         return s, jnp.sum(batch["n_items"])
 
     def reference_loss(params, batch, key=None):

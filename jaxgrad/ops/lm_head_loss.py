@@ -56,7 +56,8 @@ import numpy as np
 from jaxgrad.ops import lm_head_loss_mgpu
 from jaxgrad.ops.dtypes import compute_dtype
 
-__all__ = ["BACKENDS", "DEFAULT_CHUNK_TOKENS", "lm_head_loss", "lm_head_loss_reference", "shifted_targets"]
+__all__ = ["BACKENDS", "DEFAULT_CHUNK_TOKENS", "backend_beside", "lm_head_loss", "lm_head_loss_reference",
+           "shifted_targets"]
 
 #: Token rows per chunk by default: at vocabulary 128,256 one chunk's fp32 logits are 1024 x 128,256 x 4 B = 525 MB
 #: (the plain loss holds 8.4 GB of fp32 logits and their gradient for 8192 tokens).
@@ -106,6 +107,17 @@ def check_label_range(labels, vocab: int, ignore_index: int, where: str, vocab_f
         at = [int(i) for i in np.argwhere(bad)[0]]
         raise ValueError(f"{where}: 'labels' must lie in [0, {vocab}) (the vocabulary size: {vocab_from}) or be "
                          f"{ignore_index} (ignored), got {lab[tuple(at)].item()} at {at}")
+
+
+def backend_beside(block_backend: str, dtype, head_grad: bool, chunk_vocab: int | None = None) -> str:
+    """The head's backend beside a model whose blocks run on ``block_backend``: ``"mosaic"`` where those run Mosaic
+    GPU kernels (on a GPU) and the head qualifies (frozen, the whole vocabulary per chunk, bf16 or f16), else
+    ``"xla"``. On the H100 the Mosaic kernel takes 0.91x XLA's time at the 1B head and 0.96x at the 8B one
+    (``benchmarks/results/lm_head-nvidia-h100-80gb-hbm3-bf16-20261127-041452.json``)."""
+    qualifies = (block_backend == "mosaic" and not head_grad and chunk_vocab is None
+                 and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+                 and jax.default_backend() == "gpu")
+    return "mosaic" if qualifies else "xla"
 
 
 def _check_backend(backend, h, w, head_grad, chunk_vocab, where: str) -> None:
