@@ -167,3 +167,35 @@ def test_the_head_follows_the_blocks_backend_where_it_qualifies(monkeypatch):
         assert mod.backend_beside(backend, dtype, head_grad, chunk_vocab) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert mod.backend_beside("mosaic", jnp.bfloat16, head_grad=False) == "xla"
+
+
+@pytest.mark.gpu
+def test_gpu_the_lora_models_loss_on_mosaic_takes_the_kernel_and_agrees_with_xla(monkeypatch):
+    from jaxgrad.lora.config import LlamaConfig, LoraConfig
+    from jaxgrad.lora.model import causal_lm_loss_fused, count_items, init, init_lora
+    from jaxgrad.ops import lm_head_loss as mod
+
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=256, vocab_size=1000, num_hidden_layers=2)
+    lcfg = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    k1, k2, k3 = jax.random.split(jax.random.key(6), 3)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), init(k1, cfg))
+    lora = init_lora(k2, cfg, lcfg)  # fp32 adapters over the bf16 base, as the CLI trains them
+    ids = jax.random.randint(k3, (2, 200), 0, cfg.vocab_size)
+    n = count_items(ids)
+    calls = []
+    kernel = mgpu.lm_head_softmax_tiles_mgpu
+    monkeypatch.setattr(mgpu, "lm_head_softmax_tiles_mgpu", lambda h, w: calls.append(h.shape) or kernel(h, w))
+
+    def loss(backend):
+        return jax.jit(jax.value_and_grad(lambda lora: causal_lm_loss_fused(
+            params, lora, ids, ids, n, cfg, lcfg, chunk_tokens=128, backend=backend, attention="xla")))
+
+    got, g = loss("mosaic")(lora)
+    assert calls, "backend='mosaic' did not reach the LM head's kernel"
+    assert mod.backend_beside("mosaic", jnp.bfloat16, False) == "mosaic"
+    want, r = loss("xla")(lora)
+    assert abs(float(got) - float(want)) <= 2e-2 * abs(float(want))  # the blocks' Mosaic GEMMs round differently
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 5e-2 * np.linalg.norm(b)
