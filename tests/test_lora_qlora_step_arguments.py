@@ -3,6 +3,7 @@
 whose plan passes them to every call; the plain data path closes over them, and JAX compiles a closed-over array
 into the program (at Llama-3.1-8B, 3.5 GB of constants)."""
 
+import dataclasses
 import re
 
 import jax
@@ -51,3 +52,16 @@ def test_the_cli_takes_the_planned_path_on_the_data_mesh_for_qlora_only(mode, pl
     assert (mesh is not None and cli_task is not None) == planned
     if planned:
         assert fsdp_size(mesh) == 1 and mesh.devices.size == jax.device_count()
+
+
+def test_a_given_from_scratch_base_sets_the_models_vocabulary():
+    # the real-size benchmarks hand the task a base with Llama 3's 128,256-row head; the task's configuration (and
+    # the run's description of it) is that base's, not the 256 bytes the fit would draw without one
+    from jaxgrad.lora.model import init
+    from jaxgrad.lora.task import model_config
+
+    fit = dataclasses.replace(FIT, mode="lora")
+    assert model_config(fit).vocab_size == 256
+    base = init(jax.random.key(0), dataclasses.replace(model_config(fit), vocab_size=300))
+    assert model_config(fit, None, base).vocab_size == 300
+    assert "vocab 300" in make_task(fit, base_params=base).describe

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec
 from jaxgrad.lora.config import CHECKPOINT_POLICIES
 from jaxgrad.lora.hf import quantize_projections
 from jaxgrad.lora.model import apply, causal_lm_loss, head_weight, hidden_states
-from jaxgrad.lora.task import _packing_args, load_base, load_tokenizer_of, lora_mask, make_task
+from jaxgrad.lora.task import _packing_args, load_base, load_tokenizer_of, lora_mask, make_task, model_config
 from jaxgrad.lora.task_config import LoraFit, resolve_path
 from jaxgrad.ops.lm_head_loss import backend_beside, lm_head_loss
 from jaxgrad.ops.nf4 import NF4Weight
@@ -229,7 +229,7 @@ def make_sharded_task(fit: LoraFit, mesh, *, grad_path: str = "custom_vjp", devi
     n = fsdp_size(mesh)
     path = resolve_path(fit, grad_path, device)
     tokenizer = load_tokenizer_of(fit)
-    cfg = fit.llama_config(None if tokenizer is None else tokenizer.vocab_size)
+    cfg = model_config(fit, tokenizer, base_params)
     lcfg = fit.lora_config()
     base = _on_host(lambda: load_base(fit, cfg)) if base_params is None else base_params
     if fit.mode == "qlora":

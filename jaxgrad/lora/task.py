@@ -64,6 +64,7 @@ micro-batch :math:`j` returns
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 
@@ -80,8 +81,8 @@ from jaxgrad.ops.lm_head_loss import backend_beside, lm_head_loss
 from jaxgrad.train.errors import ConfigError, DataError
 from jaxgrad.train.task import Task
 
-__all__ = ["LoraFit", "BlockPath", "resolve_path", "make_task", "load_base", "lora_mask", "stdlib_files",
-           "stdlib_bytes", "split_text", "window_batch", "train_starts", "MODES"]
+__all__ = ["LoraFit", "BlockPath", "resolve_path", "make_task", "model_config", "load_base", "lora_mask",
+           "stdlib_files", "stdlib_bytes", "split_text", "window_batch", "train_starts", "MODES"]
 VOCAB = BYTE_VOCAB
 
 
@@ -225,6 +226,16 @@ def _data(fit: LoraFit, tokenizer):
     return FileData(fit, tokenizer)
 
 
+def model_config(fit: LoraFit, tokenizer=None, base_params: dict | None = None):
+    """The :class:`~jaxgrad.lora.config.LlamaConfig` of a fit: the checkpoint's (``fit.base``), else the fit's
+    shape with the tokenizer's vocabulary (256 bytes without one), or the vocabulary of a given base (its
+    embedding's rows: the model is that base)."""
+    cfg = fit.llama_config(None if tokenizer is None else tokenizer.vocab_size)
+    if base_params is not None and fit.base is None:
+        cfg = dataclasses.replace(cfg, vocab_size=int(np.shape(base_params["embed_tokens"]["weight"])[0]))
+    return cfg
+
+
 def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str = "custom_vjp",
               device: tuple[str, str | None] | None = None) -> Task:
     """The :class:`~jaxgrad.train.Task`. ``base_params`` (LoRA modes): the frozen base (default
@@ -234,7 +245,7 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
     path (:func:`jaxgrad.lora.task_config.resolve_path`)."""
     path = resolve_path(fit, grad_path, device)
     tokenizer = load_tokenizer_of(fit)
-    cfg = fit.llama_config(None if tokenizer is None else tokenizer.vocab_size)
+    cfg = model_config(fit, tokenizer, base_params)
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise DataError(f"LoRA fit: the tokenizer {fit.tokenizer_path()} has {tokenizer.vocab_size} tokens, more "
                         f"than the model's vocab_size {cfg.vocab_size}")
