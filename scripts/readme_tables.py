@@ -30,6 +30,9 @@ Tables (``TABLES``):
   precision (Llama-3.2-1B, Llama-3.1-8B bf16, Llama-3.1-8B NF4): tokens/s of one LoRA training step, model TFLOP/s
   (NeMo's accounting, ``4 P N``), peak memory and peak minus the frozen weights, and the ratios to the same run's
   transformers + PEFT and transformers + PEFT + Liger rows.
+* ``scaling``: per (workload, GPUs, layout), the newest ``scaling`` run that measured it (``python -m jaxgrad.bench
+  scaling``): throughput, scaling factor and efficiency against that run's 1-GPU row, peak and base memory per GPU,
+  profiled collective and compute time.
 * ``kan-fit``: the latest KAN fit result (``scripts/kan_fit.py``, recognised by its content): train / test RMSE per
   grid, ours and pykan's.
 
@@ -588,11 +591,59 @@ def table_real_size(results: pathlib.Path) -> list[str]:
                                 "vs PEFT", "vs PEFT + Liger", "memory vs PEFT: peak / minus frozen"], body)
 
 
+def _is_scaling(data) -> bool:
+    env = data.get("environment", {}) if isinstance(data, dict) else {}
+    return isinstance(env.get("scaling"), dict) and "rows" in env["scaling"]
+
+
+def _run_label(path: pathlib.Path) -> str:
+    """``YYYY-MM-DD HH:MM`` (UTC) of a result file named ``...-<date>-<time>.json``."""
+    m = re.search(r"-(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})\d{2}\.json$", path.name)
+    return f"{m.group(1)}-{m.group(2)}-{m.group(3)} {m.group(4)}:{m.group(5)}" if m else path.name
+
+
+def table_scaling(results: pathlib.Path) -> list[str]:
+    """One row per (workload, devices, layout) of the ``scaling`` files (``python -m jaxgrad.bench scaling``), each
+    from the newest run that measured it: throughput, the scaling factor and efficiency against that run's own
+    1-device row, the largest per-device peak, the frozen base's bytes per device (and their share of the whole
+    base), and the profiled collective and compute milliseconds per step (mean over the devices)."""
+    found = _all_json(results, "scaling-*.json", _is_scaling)
+    newest: dict[tuple, tuple] = {}
+    for path, data in found:
+        for r in data["environment"]["scaling"]["rows"]:
+            if r.get("status") == "measured":
+                newest[(r["workload"], r["devices"], r["layout"])] = (path, r)
+    if not newest:
+        return ["No scaling run is committed yet."]
+    gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    body = []
+    for key in sorted(newest, key=lambda k: (k[0], k[1], k[2] != "data", k[2])):
+        path, r = newest[key]
+        prof = (r.get("profile") or {}).get("mean") or {}
+        ms = lambda name: f"{prof[name]:.1f}" if name in prof else "-"  # noqa: E731
+        unit = r.get("unit", "items")
+        body.append([r["workload"], str(r["devices"]), r["layout"], str(r['spec'].get('batch', '-')),
+                     f"{r['throughput']:,.0f} {unit}", f"{r['scaling_factor']:.3f}", f"{r['efficiency']:.3f}",
+                     gib(r["peak_bytes_max"]) if r.get("peak_bytes_max") else "-",
+                     f"{gib(r['base_bytes_per_device'])} ({r['base_bytes_ratio']:.2f})"
+                     if r.get("base_bytes_per_device") else "-",
+                     ms("all_gather"), ms("all_reduce"), ms("exposed_collective"), ms("compute"),
+                     f"{r['median_ms']:.1f}", f"[{_run_label(path)}]({_rel(path)})"])
+    head = ("Weak scaling on one host of H100 SXM GPUs (NVLink; `NCCL_NVLS_ENABLE=0`): the per-GPU micro-batch fixed, "
+            "each row in a fresh process, the scaling factor against the 1-GPU row of the same run. Peak: the largest "
+            "device high-water mark. Base: the frozen base's bytes per GPU (in brackets, their share of the whole "
+            "base). Collective and compute milliseconds per step from a profile of 2 steps, mean over the GPUs; "
+            "exposed: collective time no compute overlaps.")
+    return [head, ""] + _table(["workload", "GPUs", "layout", "batch/GPU", "per second", "scaling", "efficiency",
+                                "peak GiB/GPU", "base GiB/GPU", "all-gather ms", "all-reduce ms", "exposed ms",
+                                "compute ms", "step ms", "run"], body)
+
+
 # A marker's name is a table, optionally with one argument after a dot: ``bench.kan`` is the bench table of the kan
 # suite alone.
 TABLES: dict[str, Callable[..., list[str]]] = {
     "bench": table_bench, "bench-full": table_bench_full, "detection": table_detection, "kan-fit": table_kan_fit,
-    "headline": table_headline, "real-size": table_real_size}
+    "headline": table_headline, "real-size": table_real_size, "scaling": table_scaling}
 
 
 # ------------------------------------------------------------------------------------------------ files

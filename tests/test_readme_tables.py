@@ -37,12 +37,13 @@ def test_a_hand_edited_figure_fails_the_check(tmp_path):
     begin = text.index("<!-- table:headline begin -->")
     end = text.index("<!-- table:headline end -->")
     row = next(line for line in text[begin:end].splitlines() if " ms (`" in line)
-    readme.write_text(text.replace(row, row.replace(" ms (`", "1 ms (`", 1), 1))  # "2.40 ms" -> "2.401 ms"
+    edited = row.replace(" ms (`", "1 ms (`", 1)  # "2.40 ms" -> "2.401 ms"
+    readme.write_text(text.replace(row, edited, 1))
     assert readme.read_text() != text
     assert rt.main([str(readme), "--results", str(ROOT / "benchmarks" / "results"), "--check"]) == 1
     assert rt.main([str(readme), "--results", str(ROOT / "benchmarks" / "results")]) == 0  # regenerates
     assert rt.main([str(readme), "--results", str(ROOT / "benchmarks" / "results"), "--check"]) == 0
-    assert "1 ms (`" not in readme.read_text()
+    assert edited not in readme.read_text()
 
 
 def test_the_headline_rows_come_from_the_files_they_link():
@@ -317,3 +318,29 @@ def test_a_variant_missing_from_the_newest_run_comes_from_the_run_that_measured_
     assert f"| {v['jaxgrad']['tokens_per_s'] / v['transformers+PEFT']['tokens_per_s']:.2f}x |" in ours  # its own peers
     assert "20260101-000000.json" in lines[0] and "20260201-000000.json" in lines[0]
     assert sum("transformers+PEFT |" in line and "(2026-" not in line for line in lines) == 1  # the newest PEFT row
+
+
+def _scaling_file(path, rows):
+    import json
+
+    path.write_text(json.dumps({"environment": {"scaling": {"rows": rows}}, "rows": []}))
+
+
+def _scaling_row(devices, layout, ms, scaling, status="measured"):
+    return {"workload": "llama-8b-qlora", "devices": devices, "layout": layout, "status": status, "spec": {"batch": 2},
+            "throughput": 8192 * devices / ms * 1e3 if ms else None, "unit": "tokens", "scaling_factor": scaling,
+            "efficiency": scaling / devices, "peak_bytes_max": 2**30, "base_bytes_per_device": 2**30 / devices,
+            "base_bytes_ratio": 1 / devices, "median_ms": ms,
+            "profile": {"mean": {"all_gather": 1.0, "all_reduce": 2.0, "exposed_collective": 0.5, "compute": ms - 5}}}
+
+
+def test_the_scaling_table_takes_each_row_from_the_newest_run_that_measured_it(tmp_path):
+    assert rt.table_scaling(tmp_path) == ["No scaling run is committed yet."]
+    old = tmp_path / "scaling-gpu-tf32-20261127-010000.json"
+    new = tmp_path / "scaling-gpu-tf32-20261127-020000.json"
+    _scaling_file(old, [_scaling_row(1, "data", 700.0, 1.0), _scaling_row(2, "fsdp", 720.0, 1.94)])
+    _scaling_file(new, [_scaling_row(1, "data", 550.0, 1.0), _scaling_row(2, "fsdp", 0.0, 0.0, status="timed out")])
+    rows = [line for line in rt.table_scaling(tmp_path) if line.startswith("| llama")]
+    assert len(rows) == 2
+    assert "550.0" in rows[0] and "2026-11-27 02:00" in rows[0]  # the newer run's 1-GPU row
+    assert "720.0" in rows[1] and "1.940" in rows[1] and "2026-11-27 01:00" in rows[1]  # the only measured fsdp row
