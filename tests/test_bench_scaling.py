@@ -161,3 +161,31 @@ def test_bad_options_are_refused_by_name(tmp_path):
         assert proc.returncode == 2 and word in proc.stderr, proc.stderr
     with pytest.raises(ValueError, match="--layers"):
         sc.lora_spec("llama-8b-qlora", batch=2, seq=None, layers=4, tiny=False)
+
+
+def test_a_row_can_run_as_one_process_per_device_and_trains_as_one_process_does(tmp_path):
+    # 8B QLoRA (tiny widths) fsdp on 2 devices: 2 processes of one device each, joined by jax.distributed over
+    # loopback, against one process driving 2 devices; the same losses (float32; the cross-device sums in another
+    # order), the base split 1/2, each process's device memory in the row
+    args = ("--workloads", "8b", "--devices", "1,2", "--layouts", "fsdp")
+    procs, per_device = _run(tmp_path / "procs", *args, "--process-per-device")
+    one, single = _run(tmp_path / "one", *args)
+    for proc in (procs, one):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    split, whole = (_rows(r)["llama-8b-qlora", 2, "fsdp"] for r in (per_device, single))
+    assert split["status"] == whole["status"] == "measured" and (split["processes"], whole["processes"]) == (2, 1)
+    assert "(2 processes)" in procs.stdout and "2 processes of one device each" in " ".join(split["notes"])
+    assert len(split["peak_bytes_per_device"]) == 2 and split["base_bytes_ratio"] == whole["base_bytes_ratio"]
+    assert split["losses"] == pytest.approx(whole["losses"], rel=1e-5)
+    assert _rows(per_device)["llama-8b-qlora", 1, "data"]["processes"] == 1
+
+
+def test_one_process_per_device_is_each_processs_own_device_and_coordinator():
+    base = {"CUDA_VISIBLE_DEVICES": "2,3", "JAX_PROCESS_ID": "7", "PATH": "/bin"}
+    e = sc.process_env(base, 1, 2, 1234)
+    assert (e["CUDA_VISIBLE_DEVICES"], e["JAX_PROCESS_ID"], e["JAX_NUM_PROCESSES"]) == ("3", "1", "2")
+    assert e["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234" and e["PATH"] == "/bin"
+    assert sc.process_env({"PATH": "/bin"}, 3, 4, 1)["CUDA_VISIBLE_DEVICES"] == "3"
+    cpu = sc.process_env({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --x=1"},
+                         0, 2, 1)
+    assert cpu["XLA_FLAGS"] == "--x=1 --xla_force_host_platform_device_count=1" and "CUDA_VISIBLE_DEVICES" not in cpu

@@ -3,7 +3,8 @@ micro-batch fixed), through the engine's own data-parallel and fully-sharded pat
 
     python -m jaxgrad.bench scaling [--workloads SUBSTR,...] [--devices 1,2,4] [--layouts data,fsdp] [--layers N]
                                     [--batch B] [--seq T] [--repeats N] [--warmup N] [--profile-steps N]
-                                    [--budget-s S] [--tiny] [--same-process] [--out runs/bench]
+                                    [--budget-s S] [--tiny] [--same-process] [--process-per-device]
+                                    [--out runs/bench]
 
 Workloads (:data:`WORKLOADS`; a row is ``(workload, N devices, layout)``, the first ``N`` devices of the machine):
 
@@ -42,7 +43,10 @@ vectors and the tiny NF4 second-level scales stay whole), judged from the measur
 Budget (``--budget-s``, default 520 s: a 9-minute run): a row starts only if its estimate (:func:`estimate_s`) fits
 what is left, else it is recorded as skipped; a started row gets what is left as its timeout. Split the workloads
 over several invocations (``--workloads``, run in the order given: the first get the budget first).
-``--same-process`` runs the rows in this process (tests: the peak memory is then process-wide). ``--tiny``: tiny
+``--same-process`` runs the rows in this process (tests: the peak memory is then process-wide).
+``--process-per-device``: each row on N > 1 devices runs as N processes of one device each, joined by JAX's
+distributed runtime over loopback (:func:`run_processes`; its rows say ``(N processes)``), instead of one process
+driving all N. ``--tiny``: tiny
 widths for the CPU (tests; fake devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``).
 """
 
@@ -140,9 +144,10 @@ def other_spec(workload: str, tiny: bool) -> dict:
 
 def plan_rows(workloads: list[str], devices: list[int], layouts: list[str], *, batch: int | None, seq: int | None,
               layers: int | None, tiny: bool, repeats: int, warmup: int, profile_steps: int,
-              device_bytes: int | None = None) -> list[dict]:
+              device_bytes: int | None = None, process_per_device: bool = False) -> list[dict]:
     """The rows to run, in order: per workload the 1-device baseline (layout ``data``), then each larger device
-    count with each of its layouts (the 70B shapes: fsdp on the largest count only)."""
+    count with each of its layouts (the 70B shapes: fsdp on the largest count only). ``process_per_device``: each
+    row on N > 1 devices runs as N processes of one device each (``processes`` = N), else as one process."""
     rows = []
     for name in workloads:
         w = WORKLOADS[name]
@@ -159,7 +164,8 @@ def plan_rows(workloads: list[str], devices: list[int], layouts: list[str], *, b
             pairs += [(n, lay) for n in sorted(set(devices)) if n > 1 for lay in w["layouts"] if lay in layouts]
         for n, lay in pairs:
             rows.append(dict(workload=name, family=w["family"], devices=n, layout=lay, spec=spec, repeats=repeats,
-                             warmup=warmup, profile_steps=profile_steps))
+                             warmup=warmup, profile_steps=profile_steps,
+                             processes=n if process_per_device and n > 1 else 1))
     return rows
 
 
@@ -207,6 +213,8 @@ def run_rows(rows: list[dict], *, budget_s: float, same_process: bool, available
                                                      f"budget ({budget_s:.0f} s) left")
         elif same_process:
             res = scaling_run.run_row(row)
+        elif row.get("processes", 1) > 1:
+            res = run_processes(row, timeout=left)
         else:
             res = run_child(row, timeout=left)
         res.setdefault("wall_s", time.perf_counter() - t0)
@@ -235,6 +243,72 @@ def run_child(row: dict, *, timeout: float) -> dict:
                      + "\n".join(tail[-25:]) + "\n")
     status = "out of memory" if "resource_exhausted" in why.lower() or "out of memory" in why.lower() else "error"
     return dict(row, status=status, reason=f"{status}: child exited {proc.returncode}: {why[:240]}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_env(env: dict, i: int, n: int, port: int) -> dict:
+    """Process ``i``'s environment of an ``n``-process row on this host: JAX's distributed settings over loopback
+    (:mod:`jaxgrad.train.distributed`) and one device: the ``i``-th GPU of those visible to this process (or the
+    ``i``-th of the machine), or, on the CPU backend, one host device."""
+    e = {k: v for k, v in env.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                                                              "JAX_LOCAL_DEVICE_IDS"))}
+    e.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+    if e.get("JAX_PLATFORMS", "").strip() == "cpu":
+        count = "--xla_force_host_platform_device_count"
+        flags = [f for f in e.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+        e["XLA_FLAGS"] = " ".join(flags + [f"{count}=1"])
+    else:
+        visible = [v.strip() for v in e.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        e["CUDA_VISIBLE_DEVICES"] = visible[i] if visible else str(i)
+    return e
+
+
+def run_processes(row: dict, *, timeout: float) -> dict:
+    """A row on N devices as N processes of one device each (``row["processes"]``), started together and joined by
+    JAX's distributed runtime; process 0's row, with every process's device peaks. A process that fails or does not
+    finish in ``timeout`` makes the row an error saying which."""
+    from jaxgrad.bench.fresh_process import ROW_TAG, child_env
+
+    root, env = child_env()
+    n, port = row["processes"], _free_port()
+    cmd = [sys.executable, "-m", MODULE_RUN, "--row", json.dumps(row)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=process_env(env, i, n, port), cwd=str(root)) for i in range(n)]
+    t_end, outs = time.perf_counter() + timeout, []
+    for i, proc in enumerate(procs):
+        try:
+            outs.append(proc.communicate(timeout=max(t_end - time.perf_counter(), 1.0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return dict(row, status="error", reason=f"error: process {i} of {n} timed out after {timeout:.0f} s")
+    rows = []
+    for i, (proc, (out, err)) in enumerate(zip(procs, outs)):
+        found = [json.loads(ln[len(ROW_TAG):]) for ln in out.splitlines() if ln.startswith(ROW_TAG)]
+        if not found:
+            tail = [ln for ln in (err or out).strip().splitlines() if ln.strip()]
+            sys.stderr.write(f"--- {SUITE} row {row_label(row)} process {i} failed (rc {proc.returncode}); stderr "
+                             "tail:\n" + "\n".join(tail[-25:]) + "\n")
+            why = (tail or ["no output"])[-1]
+            status = "out of memory" if "resource_exhausted" in why.lower() or "out of memory" in why.lower() \
+                else "error"
+            return dict(row, status=status, reason=f"{status}: process {i} of {n} exited {proc.returncode}: "
+                                                   f"{why[:200]}")
+        rows.append(found[-1])
+    merged = dict(rows[0])
+    for key in ("peak_bytes_per_device", "setup_peak_bytes_per_device", "setup_in_use_bytes_per_device"):
+        if all(isinstance(r.get(key), list) for r in rows):
+            merged[key] = [v for r in rows for v in r[key]]
+    merged["notes"] = list(merged.get("notes") or []) + [
+        f"{n} processes of one device each (jax.distributed over loopback); times and profile: process 0's"]
+    return merged
 
 
 # ------------------------------------------------------------------------------------------------- derived
@@ -289,7 +363,8 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------- output
 def row_label(r: dict) -> str:
-    return f"{r['workload']} N={r['devices']} {r['layout']}"
+    procs = r.get("processes", 1)
+    return f"{r['workload']} N={r['devices']} {r['layout']}" + (f" ({procs} processes)" if procs > 1 else "")
 
 
 def summary(r: dict) -> str:
@@ -344,8 +419,11 @@ def format_targets(targets: list[dict]) -> str:
 
 
 def header_lines(rows: list[dict], args) -> list[str]:
+    where = ("in this process" if args.same_process else
+             "as N fresh processes of one device each" if getattr(args, "process_per_device", False) else
+             "in a fresh process")
     lines = [f"{SUITE}: weak scaling on the first N devices of this host, per-device micro-batch fixed; each row "
-             f"{'in this process' if args.same_process else 'in a fresh process'}; median of {args.repeats} steps "
+             f"{where}; median of {args.repeats} steps "
              f"after {args.warmup} (+ the first), profile of {args.profile_steps} more; JAX memory fraction "
              f"{os.environ.get(MEM_FRACTION, '0.75 (default)')}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"]
     seen = set()
@@ -397,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock budget of the whole run (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="tiny widths (CPU tests)")
     p.add_argument("--same-process", action="store_true", help="run the rows in this process (tests)")
+    p.add_argument("--process-per-device", action="store_true",
+                   help="run each row on N > 1 devices as N processes of one device each (JAX's distributed runtime "
+                        "over loopback), as PyTorch's DDP runs; default: one process drives all N")
     p.add_argument("--out", default="runs/bench", help="results directory (default: %(default)s, git-ignored)")
     return p
 
@@ -425,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name}: expected an integer >= {2 if name == 'seq' else 1}, got {v}")
     if a.warmup < 0 or a.profile_steps < 0 or not a.budget_s > 0:
         parser.error("--warmup and --profile-steps must be >= 0 and --budget-s > 0")
+    if a.process_per_device and a.same_process:
+        parser.error("--process-per-device starts a process per device; it cannot run the rows in this process "
+                     "(--same-process)")
     try:
         workloads = select_workloads(a.workloads)
     except ValueError as err:
@@ -445,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = plan_rows(workloads, a.devices, layouts, batch=a.batch, seq=a.seq, layers=a.layers, tiny=a.tiny,
                          repeats=a.repeats, warmup=a.warmup, profile_steps=a.profile_steps,
-                         device_bytes=stats.get("bytes_limit"))
+                         device_bytes=stats.get("bytes_limit"), process_per_device=a.process_per_device)
     except ValueError as err:
         parser.error(str(err))
     if max(a.devices) > len(jax.devices()):

@@ -19,6 +19,10 @@ before the first step, with ``bytes_in_use``: what setting up alone reached), th
 (:func:`jaxgrad.train.mesh.bytes_per_device`), then ``profile_steps`` more steps under ``jax.profiler``
 (:mod:`jaxgrad.bench.scaling_profile`). An out-of-memory error anywhere is a result (``status`` ``out of
 memory``); anything else propagates. :data:`INJECT_OOM` makes a named row fail as out of memory (tests).
+
+A row of one process per device (``row["processes"] > 1``: :func:`jaxgrad.bench.scaling.run_processes`) runs this
+in each process: JAX's distributed runtime joins them (:func:`jaxgrad.train.distributed.initialize`), the mesh spans
+every process's device, and each process reports its own device's memory and profile.
 """
 
 from __future__ import annotations
@@ -200,7 +204,8 @@ def run_row(row: dict) -> dict:
     import jax
 
     n = row["devices"]
-    devices = jax.devices()[:n]
+    devices = jax.devices()[:n]  # with several processes: every process's devices (jax.distributed)
+    local = [d for d in devices if d.process_index == jax.process_index()]
     out = dict(row, status="error", notes=[])
     if len(devices) < n:
         out.update(status="skipped", reason=f"skipped: {n} devices asked, {len(jax.devices())} available")
@@ -212,12 +217,13 @@ def run_row(row: dict) -> dict:
         if not is_oom(err):
             raise
         out.update(status="out of memory", reason=f"out of memory: {str(err).splitlines()[0][:240]}",
-                   peak_bytes_per_device=peak_bytes(devices))
+                   peak_bytes_per_device=peak_bytes(local))
     out["wall_s"] = time.perf_counter() - t_start
     return out
 
 
 def measure(row: dict, devices) -> dict:
+    """The row's figures on ``devices`` (all of the row's; memory and the profile are this process's own devices')."""
     import jax
 
     from jaxgrad.bench.scaling_profile import profile_steps
@@ -233,7 +239,8 @@ def measure(row: dict, devices) -> dict:
     host, items = host_batch(row, len(devices))
     batch = shard_batch(host, mesh)
     jax.block_until_ready((state, batch))
-    setup_peaks, setup_in_use = peak_bytes(devices), in_use_bytes(devices)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    setup_peaks, setup_in_use = peak_bytes(local), in_use_bytes(local)
     base_whole = base_bytes
     if row["family"] == "lora" and plan is not None:
         _, frozen = split_trainable(state["params"], lora_mask(state["params"]))
@@ -260,7 +267,7 @@ def measure(row: dict, devices) -> dict:
         one_step()
         times.append((time.perf_counter() - t0) * 1e3)
     times = np.asarray(times)
-    peaks = peak_bytes(devices)
+    peaks = peak_bytes(local)
     median = float(np.median(times))
     result = {"status": "measured", "median_ms": median, "p10_ms": float(np.percentile(times, 10)),
               "p90_ms": float(np.percentile(times, 90)), "min_ms": float(times.min()), "repeats_run": len(times),
@@ -273,7 +280,7 @@ def measure(row: dict, devices) -> dict:
     if row["profile_steps"]:
         try:
             with tempfile.TemporaryDirectory(prefix="jaxgrad-scaling-trace-") as log_dir:
-                result["profile"] = profile_steps(one_step, row["profile_steps"], log_dir, len(devices))
+                result["profile"] = profile_steps(one_step, row["profile_steps"], log_dir, len(local))
         except Exception as err:  # noqa: BLE001 - a profile that cannot be taken is said, never invented
             result["profile_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:240] if str(err) else ''}"
     return result
@@ -286,6 +293,9 @@ def child_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description="one row of python -m jaxgrad.bench scaling")
     p.add_argument("--row", required=True, help="the row's JSON (jaxgrad.bench.scaling.plan_rows)")
     a = p.parse_args(argv)
+    from jaxgrad.train.distributed import initialize
+
+    initialize()  # a row of one process per device (JAX_COORDINATOR_ADDRESS, ...: scaling.run_processes)
     print(ROW_TAG + json.dumps(bm._jsonable(run_row(json.loads(a.row)))), flush=True)
     return 0
 
