@@ -97,20 +97,8 @@ def _kernel(h_gmem, w_gmem, p_gmem, m_gmem, s_gmem, *, cfg: TileConfig, vocab: i
     def smem_transforms(minor, dt=dtype):  # TMA/wgmma layout of a [rows, minor] tile
         return mgpu_common.smem_transforms(minor, dt)
 
-    def spec(shape, index):
-        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
-
-    def pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_iters,),
-            memory_registers=40,
-            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), spec((tile_n, tile_k), lambda kk: (0, kk))],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context,
-        )
+    pipeline = mgpu_common.k_pipeline(dtype, (cta_m, tile_k), (tile_n, tile_k), lambda kk: (0, kk), k_iters,
+                                      cfg.max_concurrent_steps)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
     slots = min(2, (tile_m // epi_m) * (tile_n // epi_n))
@@ -149,15 +137,8 @@ def _kernel(h_gmem, w_gmem, p_gmem, m_gmem, s_gmem, *, cfg: TileConfig, vocab: i
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     m_smem[wg] = m_t
                     s_smem[wg] = s_t
-                    for ei in range(tile_m // epi_m):
-                        for ej in range(tile_n // epi_n):
-                            em, en = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
-                            slot = (ei * (tile_n // epi_n) + ej) % slots
-                            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                            p_smem[wg, slot] = p[em, en]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                p_smem.at[wg, slot], p_gmem.at[cta_m_slice, n_slice].at[wg_m_slice].at[em, en])
+                    mgpu_common.store_tile(p, p_smem, wg, p_gmem.at[cta_m_slice, n_slice].at[wg_m_slice],
+                                           epi_m, epi_n)
                     plgpu.copy_smem_to_gmem(m_smem.at[wg], m_gmem.at[n_idx, rows])
                     plgpu.copy_smem_to_gmem(s_smem.at[wg], s_gmem.at[n_idx, rows])
 

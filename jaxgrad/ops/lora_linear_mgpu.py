@@ -131,22 +131,8 @@ def _kernel(lhs_gmem, r1_gmem, rank_gmem, r3t_gmem, y_gmem, *, cfg: TileConfig, 
     def smem_transforms(minor, dt=dtype):  # TMA/wgmma layout of a [rows, minor] tile
         return mgpu_common.smem_transforms(minor, dt)
 
-    def spec(shape, index):
-        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1]), memory_space=plgpu.SMEM)
-
-    r1_spec = spec((tile_n, tile_k), lambda kk: (0, kk)) if t1 else spec((tile_k, tile_n), lambda kk: (kk, 0))
-
-    def pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_iters,),
-            memory_registers=40,
-            in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk)), r1_spec],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context,
-        )
+    r1_block, r1_index = ((tile_n, tile_k), lambda kk: (0, kk)) if t1 else ((tile_k, tile_n), lambda kk: (kk, 0))
+    pipeline = mgpu_common.k_pipeline(dtype, (cta_m, tile_k), r1_block, r1_index, k_iters, cfg.max_concurrent_steps)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
     slots = min(2, (tile_m // epi_m) * (tile_n // epi_n))
@@ -188,15 +174,8 @@ def _kernel(lhs_gmem, r1_gmem, rank_gmem, r3t_gmem, y_gmem, *, cfg: TileConfig, 
                     plgpu.wgmma_wait(0)
                     y = acc_ref[...].astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for ei in range(tile_m // epi_m):
-                        for ej in range(tile_n // epi_n):
-                            em, en = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
-                            slot = (ei * (tile_n // epi_n) + ej) % slots
-                            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                            y_smem[wg, slot] = y[em, en]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                y_smem.at[wg, slot], y_gmem.at[cta_m_slice, n_slice].at[wg_m_slice].at[em, en])
+                    mgpu_common.store_tile(y, y_smem, wg, y_gmem.at[cta_m_slice, n_slice].at[wg_m_slice],
+                                           epi_m, epi_n)
 
             def mma_body(_, l_smem, r1_smem, acc_ref):
                 plgpu.wgmma(acc_ref, l_smem.at[wg_m_slice], r1_smem.transpose((1, 0)) if t1 else r1_smem)  # L R1

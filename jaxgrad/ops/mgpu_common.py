@@ -1,11 +1,12 @@
 """What the Mosaic GPU kernels (:mod:`jaxgrad.ops.lora_linear_mgpu`, :mod:`jaxgrad.ops.lm_head_loss_mgpu`) share: the
-shared-memory layout of a ``wgmma`` / TMA tile, zero padding to whole tiles, and the persistent grid's size."""
+shared-memory layout of a ``wgmma`` / TMA tile, the warp-specialised K loop, the epilogue's tiled store, zero padding
+to whole tiles, and the persistent grid's size."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["num_sms", "pad_to_multiple", "smem_transforms"]
+__all__ = ["k_pipeline", "num_sms", "pad_to_multiple", "smem_transforms", "store_tile"]
 
 
 def smem_transforms(minor: int, dtype):
@@ -30,3 +31,46 @@ def num_sms() -> int:
     from jax.extend import backend
 
     return backend.get_default_device().core_count
+
+
+def k_pipeline(dtype, lhs_block: tuple[int, int], rhs_block: tuple[int, int], rhs_index, k_iters: int,
+               max_concurrent_steps: int):
+    """``pipeline(body, compute_context)``: the warp-specialised K loop of a GEMM tile (after JAX's
+    ``hopper_matmul_mgpu.py``): a memory warpgroup streams, for K-step ``k``, the left operand's ``lhs_block``
+    (``[rows, tile_k]``, block ``(0, k)``) and the right one's ``rhs_block`` (block ``rhs_index(k)``) into shared
+    memory by TMA, ``max_concurrent_steps`` stages deep; two compute warpgroups run ``body`` on each stage."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def spec(shape, index):
+        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1], dtype), memory_space=plgpu.SMEM)
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[spec(lhs_block, lambda kk: (0, kk)), spec(rhs_block, rhs_index)],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=max_concurrent_steps,
+            compute_context=compute_context,
+        )
+    return pipeline
+
+
+def store_tile(value, slots_smem, wg, dst, epi_m: int, epi_n: int) -> None:
+    """Store warpgroup ``wg``'s ``[tile_m, tile_n]`` register tile ``value`` to ``dst`` in ``[epi_m, epi_n]`` pieces
+    through its slots ``slots_smem[wg]`` (``[2, slots, epi_m, epi_n]``): each piece waits until the store that last
+    used its slot has read it, is written, and goes out by TMA while the next is written."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    tile_m, tile_n = value.shape
+    slots = slots_smem.shape[1]
+    for ei in range(tile_m // epi_m):
+        for ej in range(tile_n // epi_n):
+            em, en = slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n)
+            slot = (ei * (tile_n // epi_n) + ej) % slots
+            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+            slots_smem[wg, slot] = value[em, en]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(slots_smem.at[wg, slot], dst.at[em, en])
