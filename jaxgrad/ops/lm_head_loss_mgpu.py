@@ -47,9 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgrad.ops import mgpu_common
-from jaxgrad.ops.mgpu_common import num_sms as _num_sms, pad_to_multiple
-
 from jaxgrad.ops.dtypes import compute_dtype
+from jaxgrad.ops.mgpu_common import num_sms as _num_sms, pad_to_multiple
 
 __all__ = ["TileConfig", "lm_head_softmax_tiles_mgpu", "row_statistics", "softmax_tiles_reference", "supported"]
 
