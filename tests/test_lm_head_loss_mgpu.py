@@ -199,3 +199,17 @@ def test_gpu_the_lora_models_loss_on_mosaic_takes_the_kernel_and_agrees_with_xla
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 5e-2 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("mode, dtype, kernel", [("lora", "bfloat16", True), ("lora", "float32", False),
+                                                 ("full", "bfloat16", False)])
+def test_the_run_says_whether_its_head_takes_the_kernel(monkeypatch, mode, dtype, kernel):
+    from jaxgrad.lora.task import make_task
+    from jaxgrad.lora.task_config import LoraFit
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    fit = LoraFit(mode=mode, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, seq_len=16, n_bytes=4096, dtype=dtype)
+    describe = make_task(fit, device=("gpu", "9.0")).describe
+    assert "fused LM head (1024-token chunks" in describe
+    assert ("mosaic kernel" in describe) == kernel, describe

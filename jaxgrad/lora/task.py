@@ -331,11 +331,14 @@ def make_task(fit: LoraFit, base_params: dict | None = None, *, grad_path: str =
                 describe=f"Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
                          f"{cfg.num_key_value_heads} heads, inter {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
                          f"{fit.dtype}, base {what}{source}{adapters}; path: "
-                         f"{path.describe(fit.gradient_checkpointing, fit.block_recompute)}, loss {_loss_text(fit)}; data: {data.describe}")
+                         f"{path.describe(fit.gradient_checkpointing, fit.block_recompute)}, loss {_loss_text(fit, path)}; data: {data.describe}")
 
 
-def _loss_text(fit: LoraFit) -> str:
-    return "from logits" if fit.loss == "logits" else f"fused LM head ({fit.loss_chunk_tokens}-token chunks)"
+def _loss_text(fit: LoraFit, path=None) -> str:
+    if fit.loss == "logits":
+        return "from logits"
+    head = "" if path is None else backend_beside(path.backend, jnp.dtype(fit.dtype), fit.mode == "full")
+    return f"fused LM head ({fit.loss_chunk_tokens}-token chunks{', mosaic kernel' if head == 'mosaic' else ''})"
 
 
 def _tokens_in(batch) -> int:
