@@ -244,3 +244,29 @@ def test_from_hf_dict_reads_llama3_config_and_transformers5_rope_parameters():
     cfg = LlamaConfig.from_hf_dict(d)
     assert cfg.head_dim == 10 and cfg.rope_theta == 500000.0 and cfg.rope_scaling_dict["factor"] == 8.0
     assert cfg.tie_word_embeddings and hash(cfg)
+
+
+def test_an_nf4_layers_weights_wait_for_the_layers_input():
+    # a layer's NF4 dequantisation depends on its weights alone: unless tied to the layer's input, XLA's GPU scheduler
+    # ran many layers' ahead and held their bf16 copies (~6 GiB at Llama-3.1-8B QLoRA). One barrier per NF4 layer,
+    # taking that layer's input; a dense model has none
+    from jaxgrad.lora.hf import quantize_projections
+
+    cfg = LlamaConfig(**{**CFG.__dict__, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
+                         "num_attention_heads": 4, "num_key_value_heads": 2})
+    params, lora = _model(9, jnp.float32, cfg)
+    ids, _ = _batch(9, 2, 8)
+    nf4 = quantize_projections(params, blocksize=64)
+
+    def barriers(p):
+        jaxpr = jax.make_jaxpr(lambda p: model_mod.hidden_states(p, lora, ids, cfg, LCFG))(p).jaxpr
+        return [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+
+    assert not barriers(params)
+    found = barriers(nf4)
+    assert len(found) == cfg.num_hidden_layers
+    # the first layer's barrier takes the embedding lookup's output (the layer's input) with the layer's NF4 leaves
+    first = found[0]
+    assert len(first.invars) == 1 + sum(
+        len(jax.tree.leaves(nf4["layers"][0][g])) for g in ("self_attn", "mlp", "input_layernorm",
+                                                            "post_attention_layernorm"))

@@ -6,9 +6,10 @@ gradient and the parameters after one Adam step equal the single-device run's (f
 order of the cross-device sums differs). The frozen base lies 1/F per device, and the compiled step all-gathers
 each layer's weights twice (for its forward, which the backward's recompute shares, and again for its backward's
 dY W: no layer's whole weights are kept from the forward); XLA's memory analysis of a 4-layer step shows the base's
-1/8 as arguments, about one layer's whole weights added to the temporaries and the same FLOPs per device as the
-data layout (measured: arguments 15.9 -> 2.3 MiB, temporaries 9.0 -> 11.2 MiB with layers of 3.75 MiB; FLOPs equal
-to 1e-4). Bad layouts are refused with the key named.
+1/8 as arguments, about one layer's whole weights added to the temporaries (the next layer's gather may overlap
+the current one) and the same FLOPs per device as the data layout (measured: arguments 15.9 -> 2.3 MiB,
+temporaries 9.0 -> 12.7 MiB with layers of 3.75 MiB; FLOPs equal to 1e-4). Bad layouts are refused with the key
+named.
 
 The device count must be set before JAX starts, so the checks run in a subprocess of their own."""
 

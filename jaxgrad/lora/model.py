@@ -237,8 +237,9 @@ def apply(params, lora, input_ids, cfg: LlamaConfig, lcfg: LoraConfig | None = N
       train_base: with ``backend="reference"``, let gradients reach the projection weights (training a base
         model); the custom VJP treats them as frozen.
       layer_call: ``layer_call(i, fn, layer, layer_lora, h, key) -> h`` runs layer ``i``'s block ``fn`` on its
-        params (default: ``fn`` under ``cfg.gradient_checkpointing``); e.g. :mod:`jaxgrad.lora.sharding` gathers
-        the layer's sharded weights there, just before the block.
+        params (default: ``fn`` under ``cfg.gradient_checkpointing``, an NF4 layer's weights tied to ``h`` so
+        that their dequantisation waits for the layer); e.g. :mod:`jaxgrad.lora.sharding` hands the block its
+        layer's sharded weights there, and decides which layer's input they wait for.
     """
     check_attention(attention, "apply")
     return _apply(params, lora, input_ids, cfg, lcfg, attention_mask=attention_mask, positions=positions,
@@ -301,10 +302,10 @@ def _hidden_states(params, lora, input_ids, cfg, lcfg=None, *, attention_mask=No
             def fn(layer, layer_lora, h, key):
                 return block(layer, layer_lora, h, cfg, lcfg, positions, attention_mask, key, segment_ids=segment_ids,
                              backend=backend, attention=attention)
-        if layer_call is not None or _has_nf4(layer):
-            # a layer's NF4 dequantisation (or its sharded weights' gather) depends on the weights alone, so the
-            # scheduler may run every layer's at the start of the step and hold all their outputs (measured on an
-            # H100 at Llama-3.1-8B QLoRA: ~6 GiB): tied to the layer's input, each waits for its own layer
+        if layer_call is None and _has_nf4(layer):
+            # a layer's NF4 dequantisation depends on the weights alone, so the scheduler may run every layer's at
+            # the start of the step and hold all their outputs (measured on an H100 at Llama-3.1-8B QLoRA: ~6 GiB):
+            # tied to the layer's input, each waits for its own layer (a layer_call ties its layer itself)
             h, layer = jax.lax.optimization_barrier((h, layer))
         if layer_call is None:
             h = _checkpointed(fn, cfg.gradient_checkpointing)(layer, layer_lora, h, key)

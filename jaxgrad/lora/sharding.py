@@ -21,11 +21,13 @@ block as :class:`~jaxgrad.train.mesh.GatheredWeight` -- the device's shards, all
 attention see plain whole arrays, exactly as on one device. The block's custom VJP saves the shards, not the whole
 weights; its backward's recompute shares the forward's gathered weights (XLA merges the two identical
 computations, as on one device), and its ``dY W`` products gather the layer again (tied to ``dY`` by an
-optimisation barrier), so no layer's whole weights are kept from the forward through the layers after it. About one
-layer's full weights (plus the embedding and the head) are alive at a time, and the step does the arithmetic of one
-device's (measured on the CPU: ``tests/test_lora_sharding.py``). A checkpointing policy puts each layer under
-``jax.checkpoint`` as on one device, with a policy that never saves a gather's output; so does the reference path
-(``jax.grad`` of the plain block, which would save the gathered weights), which gathers before the block. The
+optimisation barrier), so no layer's whole weights are kept from the forward through the layers after it. In the
+forward a layer's shards wait, by another barrier, for the previous layer's input (its own with no ``fsdp`` split),
+so that its gather may overlap the layer before it but no earlier one. At most about two layers' full weights
+(plus the embedding and the head) are alive at a time, and the step does the arithmetic of one device's (measured
+on the CPU: ``tests/test_lora_sharding.py``). A checkpointing policy puts each layer under ``jax.checkpoint`` as on
+one device, with a policy that never saves a gather's output; so does the reference path (``jax.grad`` of the plain
+block, which would save the gathered weights), which gathers before the block. The
 gradient of the adapters is the ``psum`` over the mesh of the per-device gradients (``psum_scatter`` over ``fsdp``
 then ``psum`` over ``data`` when they are sharded): the same sum as on one device, in another order, equal to 1e-12
 in float64.
@@ -158,7 +160,17 @@ def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference:
         whole = {k: (v if k == "layers" else jax.tree.map(gather, v, base_specs[k])) for k, v in base.items()}
         whole["layers"] = layers
 
+        inputs = []  # the layers' inputs, in the order the model calls them
+
         def layer_call(i, fn, layer, layer_lora, h, k):
+            # a layer's gather and NF4 dequantisation depend on its weights alone: left free, the scheduler may run
+            # every layer's at the start of the step and hold them all. Tied by a barrier to an earlier input: with
+            # fsdp > 1 the previous layer's, so that the gather can overlap that layer's compute (a second layer's
+            # whole weights alive meanwhile); without gathers the layer's own, as on one device
+            anchor = inputs[-1] if fsdp > 1 and inputs else h
+            inputs.append(h)
+            _, layer = jax.lax.optimization_barrier((anchor, layer))
+
             def run(layer, layer_lora, h, k):
                 if reference:  # jax.grad of the plain block would save the gathered weights: jax.checkpoint drops them
                     return fn(_gather_tree(layer, layer_specs[i]), layer_lora, h, k)
