@@ -225,7 +225,7 @@ def run_rows(rows: list[dict], *, budget_s: float, same_process: bool, available
 
 def run_child(row: dict, *, timeout: float) -> dict:
     """:func:`jaxgrad.bench.scaling_run.run_row` in a fresh process; a crash or a timeout is a row saying so."""
-    from jaxgrad.bench.fresh_process import ROW_TAG, child_env
+    from jaxgrad.bench.fresh_process import child_env
 
     root, env = child_env()
     cmd = [sys.executable, "-m", MODULE_RUN, "--row", json.dumps(row)]
@@ -233,16 +233,30 @@ def run_child(row: dict, *, timeout: float) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(root), timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(row, status="error", reason=f"error: timed out after {timeout:.0f} s")
-    for line in reversed(proc.stdout.splitlines()):
+    found = _printed_row(proc.stdout)
+    return found if found is not None else _failed(row, proc.returncode, proc.stdout, proc.stderr, "child")
+
+
+def _printed_row(out: str) -> dict | None:
+    """The row a child printed after :data:`~jaxgrad.bench.fresh_process.ROW_TAG` (its last), or ``None``."""
+    from jaxgrad.bench.fresh_process import ROW_TAG
+
+    for line in reversed(out.splitlines()):
         if line.startswith(ROW_TAG):
             return json.loads(line[len(ROW_TAG):])
-    tail = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+    return None
+
+
+def _failed(row: dict, returncode: int, out: str, err: str, who: str) -> dict:
+    """``row`` with the status and reason of a child that printed no row (``who``: the child, or which process;
+    its stderr tail goes to ours)."""
+    tail = [ln for ln in (err or out).strip().splitlines() if ln.strip()]
     errors = [ln for ln in tail if ("Error" in ln or "Exception" in ln) and not ln.startswith(" ")]
     why = (errors or tail or ["no output"])[-1]
-    sys.stderr.write(f"--- {SUITE} row {row_label(row)} failed (rc {proc.returncode}); stderr tail:\n"
+    sys.stderr.write(f"--- {SUITE} row {row_label(row)}: {who} failed (rc {returncode}); stderr tail:\n"
                      + "\n".join(tail[-25:]) + "\n")
     status = "out of memory" if "resource_exhausted" in why.lower() or "out of memory" in why.lower() else "error"
-    return dict(row, status=status, reason=f"{status}: child exited {proc.returncode}: {why[:240]}")
+    return dict(row, status=status, reason=f"{status}: {who} exited {returncode}: {why[:240]}")
 
 
 def _free_port() -> int:
@@ -274,7 +288,7 @@ def run_processes(row: dict, *, timeout: float) -> dict:
     """A row on N devices as N processes of one device each (``row["processes"]``), started together and joined by
     JAX's distributed runtime; process 0's row, with every process's device peaks. A process that fails or does not
     finish in ``timeout`` makes the row an error saying which."""
-    from jaxgrad.bench.fresh_process import ROW_TAG, child_env
+    from jaxgrad.bench.fresh_process import child_env
 
     root, env = child_env()
     n, port = row["processes"], _free_port()
@@ -291,17 +305,10 @@ def run_processes(row: dict, *, timeout: float) -> dict:
             return dict(row, status="error", reason=f"error: process {i} of {n} timed out after {timeout:.0f} s")
     rows = []
     for i, (proc, (out, err)) in enumerate(zip(procs, outs)):
-        found = [json.loads(ln[len(ROW_TAG):]) for ln in out.splitlines() if ln.startswith(ROW_TAG)]
-        if not found:
-            tail = [ln for ln in (err or out).strip().splitlines() if ln.strip()]
-            sys.stderr.write(f"--- {SUITE} row {row_label(row)} process {i} failed (rc {proc.returncode}); stderr "
-                             "tail:\n" + "\n".join(tail[-25:]) + "\n")
-            why = (tail or ["no output"])[-1]
-            status = "out of memory" if "resource_exhausted" in why.lower() or "out of memory" in why.lower() \
-                else "error"
-            return dict(row, status=status, reason=f"{status}: process {i} of {n} exited {proc.returncode}: "
-                                                   f"{why[:200]}")
-        rows.append(found[-1])
+        found = _printed_row(out)
+        if found is None:
+            return _failed(row, proc.returncode, out, err, f"process {i} of {n}")
+        rows.append(found)
     merged = dict(rows[0])
     for key in ("peak_bytes_per_device", "setup_peak_bytes_per_device", "setup_in_use_bytes_per_device"):
         if all(isinstance(r.get(key), list) for r in rows):

@@ -54,16 +54,11 @@ __all__ = ["TileConfig", "lm_head_softmax_tiles_mgpu", "row_statistics", "softma
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Tiles of :func:`lm_head_softmax_tiles_mgpu` (a CTA computes ``2 tile_m x tile_n`` of ``P``)."""
+class TileConfig(mgpu_common.GemmTiles):
+    """Tiles of :func:`lm_head_softmax_tiles_mgpu` (a CTA computes ``2 tile_m x tile_n`` of ``P``): 3 stages of
+    48 KiB of operands, and 32 KiB of fp32 epilogue slots."""
 
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    max_concurrent_steps: int = 3  # 3 x 48 KiB of operand stages + 32 KiB of fp32 epilogue slots: < 227 KiB
-    epi_tile_m: int = 64
     epi_tile_n: int = 32  # fp32: 128 bytes a row
-    grid_tile_width: int = 8  # planar snake over the output tiles: L2 reuse of W and h
 
 
 def supported(h, w) -> str | None:

@@ -60,16 +60,9 @@ __all__ = ["TileConfig", "lora_linear_dx_mgpu", "lora_linear_fwd_mgpu", "support
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Tiles of :func:`lora_linear_fwd_mgpu` (the CTA computes ``2 tile_m x tile_n`` of ``Y``)."""
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    max_concurrent_steps: int = 3  # 3 x 48 KiB of operand stages + 48 KiB of epilogue and rank-r tiles: < 227 KiB
-    epi_tile_m: int = 64
-    epi_tile_n: int = 64
-    grid_tile_width: int = 8  # planar snake over the output tiles: L2 reuse of W and X
+class TileConfig(mgpu_common.GemmTiles):
+    """Tiles of :func:`lora_linear_fwd_mgpu` (the CTA computes ``2 tile_m x tile_n`` of ``Y``): 3 stages of 48 KiB
+    of operands, and 48 KiB of epilogue and rank-r tiles."""
 
 
 def _problem(x, w, a, b):

@@ -4,9 +4,27 @@ to whole tiles, and the persistent grid's size."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
-__all__ = ["k_pipeline", "num_sms", "pad_to_multiple", "smem_transforms", "store_tile"]
+__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "smem_transforms", "store_tile"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    """Tiles of a GEMM kernel on :func:`k_pipeline`: a CTA computes ``2 tile_m x tile_n`` of the output (one
+    ``tile_m`` row block per compute warpgroup), streaming ``tile_k`` of the contraction per stage, and stores it in
+    ``epi_tile_m x epi_tile_n`` pieces (:func:`store_tile`); the persistent grid walks the output tiles in a planar
+    snake ``grid_tile_width`` wide (L2 reuse of both operands)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 3  # 3 x 48 KiB of bf16 operand stages; the epilogue's tiles take the rest of 227 KiB
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+    grid_tile_width: int = 8
 
 
 def smem_transforms(minor: int, dtype):
