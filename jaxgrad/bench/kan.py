@@ -4,7 +4,10 @@ of the reference and, on a GPU with torch, PyTorch autograd of efficient-kan's `
 
 At the default precision with float32 arrays the XLA custom VJP is also timed with ``precision="fp16_scaled"``
 (row ``xla custom_vjp fp16_scaled``: float16 operands scaled by powers of two, float32 sums,
-:mod:`jaxgrad.kan.fp16_scaled`), beside the TF32 rows of the same layer.
+:mod:`jaxgrad.kan.fp16_scaled`), beside the TF32 rows of the same layer. On a Hopper GPU the layer is also timed on
+``backend="mosaic"`` (the forward in the Mosaic kernel of :mod:`jaxgrad.kan.forward_mgpu`, the backward on the XLA
+custom VJP's scaled products), and the forward alone (rows sized ``part=forward``: FLOPs a third of the layer's)
+on the Mosaic kernel against XLA's.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ def _kan_variants(precision_name: str, dtype=jnp.float32) -> dict[str, Callable]
     if precision_name != "highest" and jnp.dtype(dtype) == jnp.float32:  # fp16_scaled takes float32 arrays only
         scaled["xla custom_vjp fp16_scaled"] = fwd_bwd(trainable(
             lambda p, x: kan_linear(p, x, backend="xla", precision="fp16_scaled")))
+    if precision_name != "highest" and _on_hopper():  # the same scaled products, forward in the Mosaic kernel
+        scaled["mosaic fwd + xla fp16_scaled bwd"] = fwd_bwd(trainable(
+            lambda p, x: kan_linear(p, x, backend="mosaic")))
     if precision_name == "highest":  # f32-accurate on tensor cores: three TF32 products (split hi/lo operands)
         x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
         extra["pallas 3xTF32"] = fwd_bwd(trainable(lambda p, x: kan_linear(p, x, backend="pallas", precision=x3)))
@@ -68,6 +74,26 @@ def _kan_variants(precision_name: str, dtype=jnp.float32) -> dict[str, Callable]
         **scaled,
         "jax.grad(reference)": fwd_bwd(trainable(lambda p, x: kan_linear_reference(p, x, precision=hp))),
     }
+
+
+def _on_hopper() -> bool:
+    from jaxgrad.kan.forward_mgpu import on_hopper
+
+    return on_hopper()
+
+
+def _forward_variants(dtype) -> dict[str, Callable]:
+    """The layer's forward alone, on the scaled float16 products: the Mosaic kernel against XLA's."""
+    from jaxgrad.kan.layer import kan_linear
+
+    def fwd(backend, precision=None):
+        return jax.jit(lambda p, x: kan_linear(p, x, backend=backend, precision=precision))
+
+    out = {"mosaic forward": fwd("mosaic")}
+    if jnp.dtype(dtype) == jnp.float32:
+        out["xla forward fp16_scaled"] = fwd("xla", "fp16_scaled")
+    out["xla forward"] = fwd("xla")
+    return out
 
 
 def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
@@ -90,6 +116,11 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
                                     sizes=dict(cfg), flops=flops, bytes_moved=bytes_moved, precision=precision,
                                     floor_precision="highest" if precision == "highest" else "tf32",
                                     warmup=warmup, repeats=repeats)
+            if precision != "highest" and _on_hopper():
+                rows += bm.run_variants("kan", _forward_variants(dtype), (params, x.astype(dtype)),
+                                        sizes=dict(cfg, part="forward"), flops=flops / 3, bytes_moved=bytes_moved / 2,
+                                        precision=precision, floor_precision="tf32", warmup=warmup,
+                                        repeats=repeats)
             if sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3:
                 row = peers.efficient_kan(cfg, "bf16" if dtype == jnp.bfloat16 else "f32",
                                           tf32=precision != "highest", repeats=repeats, warmup=warmup,

@@ -72,15 +72,17 @@ class KnotTable:
     """Rows of :func:`knot_tables` for one block of input columns, as ``[1, bk]`` vectors: ``t(r)`` and
     ``inv(p, r)``. Each row is loaded at first use (once per trace), so only the few rows the sweep currently needs
     are live: all ``(k+1)(NB+k+1)`` of them held at once cost a few registers each per thread, which is what made
-    the first versions spill."""
+    the first versions spill. ``expand`` makes a loaded row broadcastable against the ``[bb, bk]`` tile (default
+    ``[1, bk]``; the Mosaic kernel loads rows already broadcast)."""
 
-    def __init__(self, load_row):
+    def __init__(self, load_row, expand=lambda row: row[None, :]):
         self._load = load_row  # (p, r) -> [bk]
+        self._expand = expand
         self._rows = {}
 
     def _get(self, p: int, r: int):
         if (p, r) not in self._rows:
-            self._rows[(p, r)] = self._load(p, r)[None, :]
+            self._rows[(p, r)] = self._expand(self._load(p, r))
         return self._rows[(p, r)]
 
     def t(self, r: int):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.checks import check_float_dtype, check_key, check_precision
-from jaxgrad.kan import fp16_scaled
+from jaxgrad.kan import forward_mgpu, fp16_scaled
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
@@ -268,7 +268,7 @@ def kan_linear_reference(params: dict[str, jax.Array], x: jax.Array, precision=N
 # The layer with a hand-written VJP
 # ---------------------------------------------------------------------------------------------------------------
 _TRAINABLE = ("base_weight", "spline_weight", "spline_scaler", "bias")
-_BACKENDS = ("xla", "pallas", "reference")
+_BACKENDS = ("xla", "pallas", "mosaic", "reference")
 
 
 def _compute_dtype(*dtypes) -> jnp.dtype:
@@ -295,6 +295,12 @@ def _is_fp16_scaled(precision) -> bool:
 def _check_precision(precision, backend, params, x) -> None:
     """``precision``: a ``lax`` precision, or ``"fp16_scaled"`` on the XLA backend with float32 arrays (float64: the
     verifier's re-run, the same products without the float16 rounding)."""
+    if backend == "mosaic":
+        if precision is not None and not _is_fp16_scaled(precision):
+            raise ValueError(f"kan_linear: backend='mosaic' computes every product from float16 operands scaled by "
+                             f"powers of two (precision='{fp16_scaled.FP16_SCALED}'); 'precision' must be None or "
+                             f"'{fp16_scaled.FP16_SCALED}', got {precision!r}")
+        return
     if not _is_fp16_scaled(precision):
         try:
             check_precision(precision, "kan_linear")
@@ -330,9 +336,12 @@ def _mm(a, b, precision, a_bound=None):
 def _forward_math(p, x, k, backend, precision, interpret):
     """``y[N, out]`` from ``x[N, in]``; every array already in the compute dtype."""
     out_f, in_f = p["base_weight"].shape
+    coef = _coef(p)
+    if backend == "mosaic":  # both branches in one kernel
+        y = forward_mgpu.kan_forward(x, p["grid"], coef, p["base_weight"], k)
+        return y + p["bias"] if "bias" in p else y
     silu, _ = _silu_and_slope(x)
     y = _mm(silu, p["base_weight"].T, precision)
-    coef = _coef(p)
     if backend == "pallas":
         from jaxgrad.kan import kernels  # lazy: the kernels module is optional for the XLA path
 
@@ -399,6 +408,8 @@ def _kan_linear_bwd(k, backend, precision, interpret, res, g):
     p, x = res
     cdt = _compute_dtype(x.dtype, g.dtype, *(p[n].dtype for n in _TRAINABLE if n in p))
     pc, xc = _to_compute(p, x, cdt)
+    if backend == "mosaic":  # the backward's products: the XLA custom VJP's, from the same scaled operands
+        backend, precision = "xla", fp16_scaled.FP16_SCALED
     grads, dx = _backward_math(pc, xc, g.astype(cdt), k, backend, precision, interpret)
     cot = {name: grads[name].astype(p[name].dtype) for name in grads}
     cot["grid"] = jnp.zeros_like(p["grid"])  # the grid is not trained: stop_gradient

@@ -1,0 +1,212 @@
+"""``kan_linear(backend="mosaic")``: the KAN forward (spline and SiLU branches) in one Mosaic GPU kernel with the
+bases computed in registers (jaxgrad/kan/forward_mgpu.py), the backward on the XLA custom VJP's scaled products.
+
+The kernel's operands are :mod:`jaxgrad.kan.fp16_scaled`'s: ``[bases | silu(x)]`` scaled per row, ``[C; W^b]`` per
+column, float16, float32 sums, exact unscaling. So (1) its plain-JAX formulas stay within TF32's product model of
+the exact float64 forward at odd sizes and at any row scale; (2) in float64 (no float16 rounding) the layer and
+every gradient equal jax.grad of the reference to 1e-12; (3) the kernel lowers for Hopper at every grid, order and
+odd size on any machine; (4) what the backend does not take is named; and, on the GPU, (5) the kernel equals its
+formulas (the same float16 products, summed in another order) and the layer passes the verifier's TF32 model.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgrad.kan import forward_mgpu as F
+from jaxgrad.kan.layer import kan_linear, kan_linear_reference
+
+U16 = 2.0**-11
+U32 = 2.0**-24
+
+
+def _layer(seed, in_f, out_f, *, grid_size=5, spline_order=3, out_scales=None, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    G, k = grid_size, spline_order
+    knots = -1.0 + np.arange(-k, G + k + 1) * (2.0 / G)
+    s = np.ones(out_f) if out_scales is None else np.asarray(out_scales, np.float64)
+    p = {
+        "base_weight": rng.standard_normal((out_f, in_f)) / math.sqrt(in_f) * s[:, None],
+        "spline_weight": rng.standard_normal((out_f, in_f, G + k)) * s[:, None, None],
+        "spline_scaler": rng.standard_normal((out_f, in_f)) / math.sqrt(in_f),
+        "bias": rng.standard_normal((out_f,)) * s,
+    }
+    trainable = {n: jnp.asarray(v, dtype) for n, v in p.items()}
+    return trainable, jnp.asarray(np.broadcast_to(knots, (in_f, knots.size)), dtype)
+
+
+def _x(seed, batch, in_f, lo=-1.2, hi=1.2, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(1000 + seed).uniform(lo, hi, (batch, in_f)), dtype)
+
+
+def _operands(trainable, grid):
+    coef = trainable["spline_weight"] * trainable["spline_scaler"][..., None]
+    return grid, coef, trainable["base_weight"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (1) the kernel's formulas: TF32's product model
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order,x_range", [
+    (7, 96, 33, 5, 3, (-1.2, 1.2)),
+    (129, 17, 9, 20, 1, (-1.2, 1.2)),
+    (33, 9, 520, 3, 5, (-40.0, 40.0)),  # silu rows up to 40: the row scale comes from silu, not the bases' bound
+])
+def test_the_kernels_formulas_stay_within_tf32s_product_model(batch, in_f, out_f, grid_size, order, x_range):
+    trainable, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order,
+                             out_scales=[1e4 if o % 3 == 0 else 1e-3 for o in range(out_f)])
+    x = _x(batch, batch, in_f, *x_range)
+    g, coef, wb = _operands(trainable, grid)
+    got = np.asarray(F.kan_forward_scaled_reference(x, g, coef, wb, order), np.float64)
+    with jax.enable_x64(True):
+        p64 = {n: jnp.asarray(v, jnp.float64) for n, v in {**trainable, "grid": grid}.items()}
+        p64.pop("bias")
+        x64 = jnp.asarray(x, jnp.float64)
+        exact = np.asarray(kan_linear_reference(p64, x64))
+        absp = {**{n: jnp.abs(v) for n, v in p64.items()}, "grid": p64["grid"]}
+        phi_part = {**absp, "base_weight": jnp.zeros_like(absp["base_weight"])}
+        mag = (np.asarray(kan_linear_reference(phi_part, x64))
+               + np.abs(np.asarray(jax.nn.silu(x64))) @ np.abs(np.asarray(p64["base_weight"])).T)
+    depth = in_f * (grid_size + order + 1)
+    ratio = np.abs(got - exact) / ((2 * U16 + U16**2 + depth * U32) * mag)
+    assert ratio.max() <= 1.0, ratio.max()
+    assert ratio.max() > 1e-3  # the float16 rounding is there: the check can fail
+
+
+def test_a_rows_scale_comes_from_its_largest_silu_and_the_bases_bound():
+    x = jnp.array([[0.0, 0.0], [40.0, -3.0], [1e-3, 0.5]], jnp.float32)
+    trainable, grid = _layer(0, 2, 3)
+    _, coef, wb = _operands(trainable, grid)
+    s, t, v = F.scaled_operands(x, coef, wb)
+    # row bound max(1, max|silu|): 1 -> 2^14 * 1; 40 -> 2^14 <= 40 * 2^s < 2^15
+    assert list(np.asarray(s)) == [14, 9, 14]
+    assert v.shape == (coef.shape[-1] + 1, 2, 3)
+    top = np.max(np.abs(np.asarray(v)), axis=(0, 1)) * 2.0 ** np.asarray(t)
+    assert np.all((top >= 2**14) & (top < 2**15))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (2) float64: the layer on backend="mosaic" is jax.grad of the reference
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [(7, 5, 3, 5, 3), (33, 9, 4, 20, 1), (1, 6, 7, 3, 5)])
+def test_float64_value_and_every_gradient_equal_jax_grad_of_the_reference(batch, in_f, out_f, grid_size, order):
+    with jax.enable_x64(True):
+        trainable, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order, dtype=jnp.float64)
+        x = _x(batch, batch, in_f, dtype=jnp.float64)
+        w = jnp.asarray(np.random.default_rng(7).standard_normal((batch, out_f)))
+
+        def loss(t, x, backend):
+            p = {**t, "grid": grid}
+            y = kan_linear(p, x, backend=backend) if backend != "ref" else kan_linear_reference(p, x)
+            return jnp.sum(jnp.sin(y) * w)
+
+        val, grads = jax.value_and_grad(loss, argnums=(0, 1))(trainable, x, "mosaic")
+        want, grads_want = jax.value_and_grad(loss, argnums=(0, 1))(trainable, x, "ref")
+        np.testing.assert_allclose(val, want, rtol=1e-12)
+        for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want)):
+            np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (3) the kernel lowers for Hopper on any machine
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [
+    (7, 96, 520, 5, 3),
+    (129, 520, 96, 20, 3),
+    (1, 17, 9, 5, 5),
+    (256, 64, 128, 3, 1),
+])
+def test_the_kernel_lowers_for_hopper_at_any_grid_order_and_odd_size(monkeypatch, batch, in_f, out_f, grid_size,
+                                                                     order):
+    monkeypatch.setattr(F, "_num_sms", lambda: 132)
+    nb = grid_size + order
+    x = jax.ShapeDtypeStruct((batch, in_f), jnp.float32)
+    grid = jax.ShapeDtypeStruct((in_f, grid_size + 2 * order + 1), jnp.float32)
+    coef = jax.ShapeDtypeStruct((out_f, in_f, nb), jnp.float32)
+    wb = jax.ShapeDtypeStruct((out_f, in_f), jnp.float32)
+    fn = jax.jit(lambda x, g, c, w: F.kan_forward_mgpu(x, g, c, w, order))
+    assert jax.eval_shape(fn, x, grid, coef, wb).shape == (batch, out_f)
+    assert "mosaic_gpu" in fn.trace(x, grid, coef, wb).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_tiles_fit_shared_memory_for_every_grid_the_benchmarks_use():
+    for nb, k in ((8, 3), (23, 3), (10, 5), (4, 1), (53, 3), (105, 5)):
+        t = F.ForwardTiles.for_layer(nb, k)
+        assert t.smem_bytes(nb, k) <= 227 * 1024 and t.bk % 16 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (4) what the backend does not take is named
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_lax_precision_is_refused_on_the_mosaic_backend():
+    trainable, grid = _layer(0, 4, 3)
+    with pytest.raises(ValueError, match="backend='mosaic' computes every product from float16 operands"):
+        kan_linear({**trainable, "grid": grid}, _x(0, 5, 4), backend="mosaic", precision="highest")
+
+
+@pytest.mark.skipif(F.on_hopper(), reason="the refusal is for devices without the kernel")
+def test_float32_off_hopper_is_refused_with_the_portable_alternative():
+    trainable, grid = _layer(0, 4, 3)
+    with pytest.raises(ValueError, match="runs on a Hopper GPU .* backend='xla', precision='fp16_scaled'"):
+        kan_linear({**trainable, "grid": grid}, _x(0, 5, 4), backend="mosaic")
+
+
+def test_the_kernel_names_a_wrong_dtype():
+    trainable, grid = _layer(0, 4, 3)
+    g, coef, wb = _operands(trainable, grid)
+    with pytest.raises(ValueError, match="'x' must be float32"):
+        F.kan_forward_mgpu(_x(0, 5, 4).astype(jnp.bfloat16), g, coef, wb, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (5) on the GPU
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [
+    (1, 96, 520, 5, 3),
+    (7, 520, 96, 20, 1),
+    (129, 96, 96, 3, 5),
+    (4096, 512, 512, 5, 3),
+    (1000, 512, 512, 20, 3),
+])
+def test_gpu_kernel_equals_its_formulas(batch, in_f, out_f, grid_size, order):
+    trainable, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
+    x = _x(batch, batch, in_f)
+    g, coef, wb = _operands(trainable, grid)
+    got = np.asarray(jax.jit(lambda *a: F.kan_forward_mgpu(*a, order))(x, g, coef, wb))
+    want = np.asarray(jax.jit(lambda *a: F.kan_forward_scaled_reference(*a, order))(x, g, coef, wb))
+    # the same float16 products in float32 sums of another order: K u32 of the sum of |terms|
+    with jax.enable_x64(True):
+        s, t, _ = F.scaled_operands(jnp.asarray(x, jnp.float64), jnp.asarray(coef, jnp.float64),
+                                    jnp.asarray(wb, jnp.float64))
+    mag = np.abs(want).max() + 1.0
+    depth = in_f * (grid_size + order + 1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=4 * depth * U32 * mag * 4)
+    assert got.shape == (batch, out_f) and np.isfinite(got).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_layer_passes_the_tf32_model_and_its_backward_is_the_xla_scaled_one(dtype):
+    from jaxgrad.verify import check_vjp
+
+    trainable, grid = _layer(0, 512, 512)
+    x = _x(1, 4096, 512)
+    trainable, x, grid = jax.tree.map(lambda a: a.astype(dtype), (trainable, x, grid))
+    fn = jax.jit(lambda t, x: kan_linear({**t, "grid": grid}, x, backend="mosaic"))
+    if dtype == jnp.float32:
+        ref = jax.jit(lambda t, x: kan_linear_reference({**t, "grid": grid}, x))
+        report = check_vjp(fn, ref, trainable, x, arg_names=("params", "x"), precision="tf32", fd=False)
+        print(report)
+        assert report.passed, str(report)
+    xla = jax.jit(lambda t, x: kan_linear({**t, "grid": grid}, x, backend="xla",
+                                          precision="fp16_scaled" if dtype == jnp.float32 else None))
+    loss = lambda f: lambda t, x: jnp.sum(f(t, x).astype(jnp.float32) ** 2)  # noqa: E731
+    y, y_xla = fn(trainable, x), xla(trainable, x)
+    assert y.dtype == dtype
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_xla, np.float32), rtol=2e-2, atol=2e-2)
+    grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(trainable, x)
+    assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in jax.tree.leaves(grads))
