@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.checks import check_float_dtype, check_key, check_precision
-from jaxgrad.kan import forward_mgpu, fp16_scaled
+from jaxgrad.kan import dx_mgpu, forward_mgpu, fp16_scaled
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
@@ -363,6 +363,12 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
     silu, dsilu = _silu_and_slope(x)
     coef = _coef(p)
     nb = coef.shape[-1]
+    if backend == "mosaic":  # dx (both branches) in the Mosaic kernel; the weight gradients as on XLA, scaled
+        precision = fp16_scaled.FP16_SCALED
+        phi = bspline_basis(x, p["grid"], k)
+        dcoef = _mm(g.T, phi.reshape(n, -1), precision).reshape(out_f, in_f, nb)
+        dx = dx_mgpu.kan_dx(x, p["grid"], coef, p["base_weight"], g, k)
+        return _weight_grads(p, g, silu, dcoef, precision), dx
     if backend == "pallas":
         from jaxgrad.kan import kernels
 
@@ -376,6 +382,12 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
         # sum_o g[b,o] sum_m C[o,i,m] B'_m(x_bi)
         gc = _mm(g, coef.reshape(out_f, -1), precision).reshape(n, in_f, nb)
         dx_spline = jnp.sum(gc * dphi, axis=-1)
+    dx = _mm(g, p["base_weight"], precision) * dsilu + dx_spline
+    return _weight_grads(p, g, silu, dcoef, precision), dx
+
+
+def _weight_grads(p, g, silu, dcoef, precision):
+    """The trained leaves' cotangents from ``dC`` (module section "Backward")."""
     grads = {
         "spline_weight": dcoef * p["spline_scaler"][..., None],
         "spline_scaler": jnp.sum(dcoef * p["spline_weight"], axis=-1),
@@ -383,8 +395,7 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
     }
     if "bias" in p:
         grads["bias"] = jnp.sum(g, axis=0)
-    dx = _mm(g, p["base_weight"], precision) * dsilu + dx_spline
-    return grads, dx
+    return grads
 
 
 def _to_compute(p, x, cdt):
@@ -408,8 +419,6 @@ def _kan_linear_bwd(k, backend, precision, interpret, res, g):
     p, x = res
     cdt = _compute_dtype(x.dtype, g.dtype, *(p[n].dtype for n in _TRAINABLE if n in p))
     pc, xc = _to_compute(p, x, cdt)
-    if backend == "mosaic":  # the backward's products: the XLA custom VJP's, from the same scaled operands
-        backend, precision = "xla", fp16_scaled.FP16_SCALED
     grads, dx = _backward_math(pc, xc, g.astype(cdt), k, backend, precision, interpret)
     cot = {name: grads[name].astype(p[name].dtype) for name in grads}
     cot["grid"] = jnp.zeros_like(p["grid"])  # the grid is not trained: stop_gradient
