@@ -246,8 +246,6 @@ def test_gpu_forward_kernel_is_within_tf32s_product_model(batch, in_f, out_f, gr
     assert got.shape == (batch, out_f)
     ratio = _forward_over_model(trainable, grid, x, order, got)
     assert ratio.max() <= 1.0, ratio.max()
-    want = np.asarray(jax.jit(lambda *a: F.kan_forward_scaled_reference(*a, order))(x, g, coef, wb))
-    assert np.median(np.abs(np.asarray(got) - want)) <= 1e-5 * (np.abs(want).max() + 1.0)  # the same operands
 
 
 @pytest.mark.gpu

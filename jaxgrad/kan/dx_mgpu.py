@@ -131,14 +131,16 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=pipeline(ignore, ignore).get_allocations(g_gmem, u_gmem.at[:cnt]),
+        # the swizzled buffers first (whole KiB each, so each starts at the alignment its swizzle needs); the
+        # tables, whose sizes follow the grid and the group, after them
         x_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
+        out_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
         tab_smem=plgpu.SMEM((2, rows_tab, bk), jnp.float32),
         f_smem=plgpu.SMEM((2, cnt, bk), jnp.float32),
-        out_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
         bars=plgpu.Barrier(num_barriers=6),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, x_smem, tab_smem, f_smem, out_smem, bars):
+    def _scope(pipeline_allocs, x_smem, out_smem, tab_smem, f_smem, bars):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * i_iters,), collective_axes="cluster_grid")
