@@ -31,7 +31,8 @@ export JAXGRAD_COMMIT=$COMMIT JAXGRAD_DIRTY=$DIRTY
 header() {  # $1: the command line the log is for
   echo "# device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo none);" \
        "$($PY -c 'import jax, sys; print("jax", jax.__version__, "python", sys.version.split()[0])')"
-  echo "# commit $COMMIT (uncommitted changes: $DIRTY); date $(date -u +%Y-%m-%dT%H:%M:%SZ); command: $1"
+  echo "# commit $COMMIT (uncommitted changes: $DIRTY); date $(date -u +%Y-%m-%dT%H:%M:%SZ); command:" \
+       "${PYTEST_ADDOPTS:+PYTEST_ADDOPTS='$PYTEST_ADDOPTS' }$1"
 }
 
 run_logged() {  # $1: log name; the rest: the command, run under the stage's time budget
