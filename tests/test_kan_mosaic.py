@@ -119,6 +119,37 @@ def test_the_dx_kernels_formulas_stay_within_tf32s_product_model(batch, in_f, ou
     assert ratio.max() > 1e-3
 
 
+@pytest.mark.parametrize("order,grid_size", [(1, 3), (3, 5), (5, 4), (3, 20)])
+def test_the_affine_sweep_gives_the_bases_at_any_knots(order, grid_size):
+    # non-uniform rows with a zero-width interval and a triple knot: float64 equals the reference to rounding, float32
+    # is off by a few ulps of 1 at most (the form's absolute error)
+    from jaxgrad.kan.basis_tiles import KnotTable, affine_knot_tables, affine_sweep
+    from jaxgrad.kan.spline import bspline_basis
+
+    rng = np.random.default_rng(order * 100 + grid_size)
+    n_in, nb = 7, grid_size + order
+    t = np.sort(rng.uniform(-1, 1, (n_in, grid_size + 2 * order + 1)), axis=1)
+    t[2, 4] = t[2, 5]
+    t[3, 3:6] = t[3, 3]
+    x = rng.uniform(-1.3, 1.3, (50, n_in))
+    with jax.enable_x64(True):
+        want = np.asarray(bspline_basis(jnp.asarray(x), jnp.asarray(t), order))
+        for dtype, tol in ((jnp.float64, 1e-13), (jnp.float32, 4e-6)):
+            tab = affine_knot_tables(jnp.asarray(t, dtype), dtype, order, nb + order + 1, n_in)
+            rows = KnotTable(lambda p, r: tab[p * (nb + order + 1) + r])
+            got = np.stack([b for _, b in affine_sweep(jnp.asarray(x, dtype), rows, nb + order, order, order)], -1)
+            np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+
+
+def test_a_grid_past_the_kernels_knot_table_is_named():
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    grid = jax.ShapeDtypeStruct((4, 60 + 7), jnp.float32)
+    coef = jax.ShapeDtypeStruct((3, 4, 63), jnp.float32)
+    assert "grid_size <= 57 at this order" in F.supported(x, grid, coef, jax.ShapeDtypeStruct((3, 4), jnp.float32))
+    assert F.knot_table_limit(jax.ShapeDtypeStruct((4, 57 + 7), jnp.float32),
+                              jax.ShapeDtypeStruct((3, 4, 60), jnp.float32)) is None
+
+
 def test_a_rows_scale_comes_from_its_largest_silu_and_the_bases_bound():
     x = jnp.array([[0.0, 0.0], [40.0, -3.0], [1e-3, 0.5]], jnp.float32)
     trainable, grid = _layer(0, 2, 3)

@@ -7,7 +7,8 @@ At the default precision with float32 arrays the XLA custom VJP is also timed wi
 :mod:`jaxgrad.kan.fp16_scaled`), beside the TF32 rows of the same layer. On a Hopper GPU the layer is also timed on
 ``backend="mosaic"`` (the forward in the Mosaic kernel of :mod:`jaxgrad.kan.forward_mgpu`, the backward on the XLA
 custom VJP's scaled products), and the forward alone (rows sized ``part=forward``: FLOPs a third of the layer's)
-on the Mosaic kernel against XLA's.
+on the Mosaic kernel against XLA's (and the kernel with 256-output tiles: each basis tile computed once per 256
+outputs instead of 128).
 """
 
 from __future__ import annotations
@@ -82,14 +83,38 @@ def _on_hopper() -> bool:
     return on_hopper()
 
 
-def _forward_variants(dtype) -> dict[str, Callable]:
+def _tiles_fit(nb: int, k: int, tile_n: int) -> bool:
+    from jaxgrad.kan.forward_mgpu import ForwardTiles
+
+    try:
+        ForwardTiles.for_layer(nb, k, tile_n)
+    except ValueError:
+        return False
+    return True
+
+
+def _forward_variants(dtype, nb: int, k: int) -> dict[str, Callable]:
     """The layer's forward alone, on the scaled float16 products: the Mosaic kernel against XLA's."""
     from jaxgrad.kan.layer import kan_linear
 
     def fwd(backend, precision=None):
         return jax.jit(lambda p, x: kan_linear(p, x, backend=backend, precision=precision))
 
+    def mosaic_tiles(tile_n):
+        from jaxgrad.kan.forward_mgpu import ForwardTiles, kan_forward_mgpu
+
+        def f(p, x):
+            nb = p["spline_weight"].shape[-1]
+            k = p["grid"].shape[-1] - nb - 1
+            coef = (p["spline_weight"] * p["spline_scaler"][..., None]).astype(jnp.float32)
+            return kan_forward_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), coef,
+                                    p["base_weight"].astype(jnp.float32), k,
+                                    config=ForwardTiles.for_layer(nb, k, tile_n))
+        return jax.jit(f)
+
     out = {"mosaic forward": fwd("mosaic")}
+    if _tiles_fit(nb, k, 256):
+        out["mosaic forward tile_n=256"] = mosaic_tiles(256)
     if jnp.dtype(dtype) == jnp.float32:
         out["xla forward fp16_scaled"] = fwd("xla", "fp16_scaled")
     out["xla forward"] = fwd("xla")
@@ -117,7 +142,8 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
                                     floor_precision="highest" if precision == "highest" else "tf32",
                                     warmup=warmup, repeats=repeats)
             if precision != "highest" and _on_hopper():
-                rows += bm.run_variants("kan", _forward_variants(dtype), (params, x.astype(dtype)),
+                variants = _forward_variants(dtype, cfg["grid_size"] + cfg["spline_order"], cfg["spline_order"])
+                rows += bm.run_variants("kan", variants, (params, x.astype(dtype)),
                                         sizes=dict(cfg, part="forward"), flops=flops / 3, bytes_moved=bytes_moved / 2,
                                         precision=precision, floor_precision="tf32", warmup=warmup,
                                         repeats=repeats)

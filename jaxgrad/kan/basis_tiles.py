@@ -18,6 +18,22 @@ safe reciprocal widths :math:`w^{-1}_{p,r}` are per-column tables built by the w
 parameters only) and read by the kernel one ``[bk]`` row at a time, at first use. The arithmetic matches the
 plain-JAX reference up to the rounding of ``a * (1/w)`` versus ``a / w``.
 
+**The affine form** (:func:`affine_sweep`, the Mosaic kernels'): with :math:`\alpha_{p,j} = x\,w^{-1}_{p,j} +
+c_{p,j}`, :math:`c_{p,j} = -t_j w^{-1}_{p,j}` (a per-column table, :func:`affine_knot_tables`), the second factor
+is :math:`(t_{j+p+1} - x)\,w^{-1}_{p,j+1} = 1 - \alpha_{p,j+1}` (where the width is zero, :math:`B^{p-1}_{j+1}`
+is identically zero, so the product is 0 either way), and each :math:`\alpha` serves two steps of the sweep:
+
+.. math::
+
+    B^p_j = \alpha_{p,j}\, B^{p-1}_j + (1 - \alpha_{p,j+1})\, B^{p-1}_{j+1}, \qquad
+    B^0_r = s_r - s_{r+1}, \quad s_r = [x \ge t_r]
+
+(the knots are non-decreasing, so :math:`s_{r+1} \le s_r`): four operations per new value instead of seven, and
+one comparison per interval instead of two. The price is an absolute rounding error of a few float32 ulps of 1 in
+a basis (``1 - alpha`` cancels near the support's end) instead of a relative one: negligible against a sum of
+bases that make a partition of unity (the forward, the input gradient), but not for a coefficient gradient whose
+column holds only tails, so the coefficient gradient keeps :func:`sweep`.
+
 **Wide contractions.** The kernels do not issue one small dot per basis. The ``NB`` bases of a ``[bb, bk]`` tile
 of ``x`` are zero-padded to ``nbp = next_power_of_2(NB)`` tiles, interleaved by a tree of two-way stacks (the
 Triton lowering joins two tensors along a new last axis) into ``[bb, bk, nbp]`` and reshaped to the **basis tile**
@@ -42,8 +58,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["Geometry", "KnotTable", "basis_tile", "coef_flat", "input_block", "interleave", "knot_tables", "mask2",
-           "pad_to", "sweep", "tile_dot"]
+__all__ = ["Geometry", "KnotTable", "affine_knot_tables", "affine_sweep", "basis_tile", "coef_flat", "input_block",
+           "interleave", "knot_tables", "mask2", "pad_to", "sweep", "tile_dot"]
 
 
 def pad_to(a, shape, mode="constant"):
@@ -68,6 +84,14 @@ def knot_tables(grid, cdt, k: int, n_rows: int, in_pad: int):
 
 
 
+def affine_knot_tables(grid, cdt, k: int, n_rows: int, in_pad: int):
+    """:func:`knot_tables`' rows, then for ``p = 1..k`` the rows ``c_{p,r} = -t_r w^{-1}_{p,r}`` of the affine
+    form: ``[(2k+1) n_rows, in_pad]``; :meth:`KnotTable.shift` reads them."""
+    base = knot_tables(grid, cdt, k, n_rows, in_pad)
+    t = base[:n_rows]
+    return jnp.concatenate([base] + [-t * base[p * n_rows:(p + 1) * n_rows] for p in range(1, k + 1)])
+
+
 class KnotTable:
     """Rows of :func:`knot_tables` for one block of input columns, as ``[1, bk]`` vectors: ``t(r)`` and
     ``inv(p, r)``. Each row is loaded at first use (once per trace), so only the few rows the sweep currently needs
@@ -90,6 +114,32 @@ class KnotTable:
 
     def inv(self, p: int, r: int):
         return self._get(p, r)
+
+    def shift(self, p: int, r: int, k: int):
+        """``c_{p,r}`` of :func:`affine_knot_tables` built for order ``k``."""
+        return self._get(k + p, r)
+
+
+def affine_sweep(x, tab: KnotTable, n_intervals: int, degree: int, table_k: int):
+    """:func:`sweep`'s ``(j, B^degree_j(x))`` in the affine form of the module docstring; ``tab`` reads
+    :func:`affine_knot_tables` built for order ``table_k``."""
+    prev: list[Any] = [None] * (degree + 1)  # prev[p] = B^p_{r-1-p}
+    alpha: list[Any] = [None] * (degree + 1)  # alpha[p] = alpha_{p, r-p}, made at step r - 1
+    s_r = (x >= tab.t(0)).astype(x.dtype)
+    for r in range(n_intervals):
+        s_next = (x >= tab.t(r + 1)).astype(x.dtype)
+        new: list[Any] = [None] * (degree + 1)
+        new[0] = s_r - s_next
+        s_r = s_next
+        made: list[Any] = [None] * (degree + 1)
+        for p in range(1, min(r, degree) + 1):
+            j = r - p
+            a_j = alpha[p] if alpha[p] is not None else x * tab.inv(p, j) + tab.shift(p, j, table_k)
+            made[p] = x * tab.inv(p, j + 1) + tab.shift(p, j + 1, table_k)
+            new[p] = a_j * prev[p - 1] + (1 - made[p]) * new[p - 1]
+        alpha, prev = made, new
+        if r >= degree:
+            yield r - degree, new[degree]
 
 
 def sweep(x, tab: KnotTable, n_intervals: int, degree: int):

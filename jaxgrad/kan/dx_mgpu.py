@@ -21,9 +21,9 @@ multiplies each accumulator by :math:`2^{-t_{mi}} D_m(x_{bi})` (a power of two p
 (``[64, bk]`` per compute warpgroup); a memory warpgroup streams, per block of ``tile_o`` outputs, the ``g`` tile
 and the block's ``NB + 1`` slabs by TMA; each compute warpgroup issues one ``wgmma`` per slab and step. In the
 epilogue it brings in its ``x`` rows, the block's knot tables and the column factors, runs the diagonal Cox-de Boor
-sweep of degree ``k - 1`` of :mod:`jaxgrad.kan.basis_tiles` (``B'_m = k (B^{k-1}_m w^{-1}_{k,m} - B^{k-1}_{m+1}
-w^{-1}_{k,m+1})``) and forms the sum. Where the ``NB + 1`` accumulators do not fit the registers, the bases are
-split into groups of at most ``max_group`` and each group is one kernel call; XLA adds their sums.
+sweep of degree ``k - 1`` of :mod:`jaxgrad.kan.basis_tiles` in its affine form (``B'_m = k (B^{k-1}_m w^{-1}_{k,m} -
+B^{k-1}_{m+1} w^{-1}_{k,m+1})``) and forms the sum. Where the ``NB + 1`` accumulators do not fit the registers, the
+bases are split into groups of at most ``max_group`` and each group is one kernel call; XLA adds their sums.
 
 Scope: float32; shapes padded to the tiles (zero rows of ``g`` and zero slab rows and columns add exact zeros). It
 needs a Hopper GPU: the GPU tests compare it with :func:`kan_dx_scaled_reference`; on a CPU its lowering is checked.
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgrad.kan import fp16_scaled
-from jaxgrad.kan.basis_tiles import KnotTable, knot_tables, pad_to, sweep
+from jaxgrad.kan.basis_tiles import KnotTable, affine_knot_tables, affine_sweep, pad_to
 from jaxgrad.kan.spline import bspline_basis_derivative
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
@@ -108,7 +108,8 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
     cnt = m_hi - m_lo
     cta_m = 2 * _ROWS
     m_iters, i_iters, o_iters = m_rows // cta_m, n_in // bk, n_out // tile_o
-    rows_tab = tab_gmem.shape[0]
+    split = (k + 1) * n_rows  # knots and reciprocal widths; then the affine form's shifts
+    rows_shift = tab_gmem.shape[0] - split
 
     def spec(shape, index, transforms):
         return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
@@ -135,12 +136,13 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
         # tables, whose sizes follow the grid and the group, after them
         x_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
         out_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
-        tab_smem=plgpu.SMEM((2, rows_tab, bk), jnp.float32),
+        tab_smem=plgpu.SMEM((2, split, bk), jnp.float32),
+        shift_smem=plgpu.SMEM((2, rows_shift, bk), jnp.float32),
         f_smem=plgpu.SMEM((2, cnt, bk), jnp.float32),
-        bars=plgpu.Barrier(num_barriers=6),
+        bars=plgpu.Barrier(num_barriers=8),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, x_smem, out_smem, tab_smem, f_smem, bars):
+    def _scope(pipeline_allocs, x_smem, out_smem, tab_smem, shift_smem, f_smem, bars):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * i_iters,), collective_axes="cluster_grid")
@@ -156,7 +158,8 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
                 # the epilogue's x rows, knot tables and column factors, in flight during the K loop (the previous
                 # tile's epilogue has read them: it ended with its store)
                 plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem.at[wg], bars.at[wg])
-                plgpu.copy_gmem_to_smem(tab_gmem.at[:, cols], tab_smem.at[wg], bars.at[2 + wg])
+                plgpu.copy_gmem_to_smem(tab_gmem.at[:split, cols], tab_smem.at[wg], bars.at[2 + wg])
+                plgpu.copy_gmem_to_smem(tab_gmem.at[split:, cols], shift_smem.at[wg], bars.at[6 + wg])
                 plgpu.copy_gmem_to_smem(f_gmem.at[:, cols], f_smem.at[wg], bars.at[4 + wg])
 
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((_ROWS, bk), jnp.float32) for _ in range(cnt)])
@@ -165,12 +168,17 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
                     plgpu.barrier_wait(bars.at[wg])
                     plgpu.barrier_wait(bars.at[2 + wg])
                     plgpu.barrier_wait(bars.at[4 + wg])
+                    plgpu.barrier_wait(bars.at[6 + wg])
                     x = x_smem[wg]
 
                     def bcast(row):
                         return lax.broadcast_in_dim(row, (_ROWS, bk), [1])
 
-                    tab = KnotTable(lambda p, r: bcast(tab_smem[wg, p * n_rows + r]), expand=lambda row: row)
+                    def knot_row(p, r):
+                        return bcast(tab_smem[wg, p * n_rows + r] if p <= k else
+                                     shift_smem[wg, (p - k - 1) * n_rows + r])
+
+                    tab = KnotTable(knot_row, expand=lambda row: row)
                     total = None
 
                     def add(m, d):
@@ -179,7 +187,7 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
                         total = term if total is None else total + term
 
                     prev = None
-                    for sidx, low in sweep(x, tab, nb + k, k - 1):  # B^{k-1}_s, s = 0 .. nb
+                    for sidx, low in affine_sweep(x, tab, nb + k, k - 1, k):  # B^{k-1}_s, s = 0 .. nb
                         if sidx > 0 and m_lo <= sidx - 1 < m_hi:
                             add(sidx - 1, k * (prev * tab.inv(k, sidx - 1) - low * tab.inv(k, sidx)))
                         prev = low
@@ -231,6 +239,11 @@ def kan_dx_mgpu(x, grid, coef, base_weight, g, spline_order: int, config: DxTile
     for name, a in (("x", x), ("grid", grid), ("coef", coef), ("base_weight", base_weight), ("g", g)):
         if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
             raise ValueError(f"kan_dx_mgpu: '{name}' must be float32, got {a.dtype}")
+    from jaxgrad.kan.forward_mgpu import knot_table_limit
+
+    why = knot_table_limit(grid, coef)
+    if why is not None:
+        raise ValueError(f"kan_dx_mgpu: {why}")
     k = int(spline_order)
     out_f, in_f, nb = coef.shape
     c = config or DxTiles.for_layer(nb)
@@ -243,7 +256,7 @@ def kan_dx_mgpu(x, grid, coef, base_weight, g, spline_order: int, config: DxTile
     g16 = pad_to((g * fp16_scaled.pow2(s, g.dtype)[:, None]).astype(jnp.float16), (m_pad, out_pad))
     u16 = pad_to((u * fp16_scaled.pow2(t, u.dtype)[:, None, :]).astype(jnp.float16), (nb + 1, out_pad, in_pad))
     f = pad_to(fp16_scaled.pow2(-t, jnp.float32), (nb + 1, in_pad))
-    tab = knot_tables(grid, jnp.float32, k, n_rows, in_pad)
+    tab = affine_knot_tables(grid, jnp.float32, k, n_rows, in_pad)
     xp = pad_to(x, (m_pad, in_pad))
     total = None
     for m_lo in range(0, nb + 1, c.max_group):
@@ -259,12 +272,9 @@ def kan_dx_mgpu(x, grid, coef, base_weight, g, spline_order: int, config: DxTile
 def kan_dx(x, grid, coef, base_weight, g, spline_order: int):
     """``dx`` on ``backend="mosaic"``: :func:`kan_dx_mgpu` for float32 on a Hopper GPU; float64 (the verifier's
     re-run, CPU tests) takes :func:`kan_dx_scaled_reference` (the same scaled products, no float16 rounding)."""
-    from jaxgrad.kan.forward_mgpu import on_hopper
+    from jaxgrad.kan.forward_mgpu import require_hopper
 
     if x.dtype == jnp.float64:
         return kan_dx_scaled_reference(x, grid, coef, base_weight, g, spline_order)
-    if not on_hopper():
-        raise ValueError(f"kan_linear: backend='mosaic' runs on a Hopper GPU (sm_90), the default device is "
-                         f"{jax.devices()[0].device_kind!r}; the same scaled products run anywhere with "
-                         f"backend='xla', precision='{fp16_scaled.FP16_SCALED}'")
+    require_hopper()
     return kan_dx_mgpu(x, grid, coef, base_weight, g, spline_order)

@@ -21,11 +21,12 @@ fused with the bias). The error model is :mod:`~jaxgrad.kan.fp16_scaled`'s: TF32
 
 **The kernel.** A CTA computes ``2 x 64`` rows by ``tile_n`` outputs (one 64-row block per compute warpgroup); a
 memory warpgroup streams, for each block of ``bk`` inputs, the ``x`` tile (fp32), the block's knot tables (fp32,
-:func:`jaxgrad.kan.basis_tiles.knot_tables`) and the ``NB + 1`` scaled coefficient slabs ``V^{(m)}`` (fp16,
-``[NB+1, bk, tile_n]``) into shared memory by TMA. Each compute warpgroup loads its ``x`` rows into registers,
-walks the diagonal Cox-de Boor sweep of :mod:`jaxgrad.kan.basis_tiles` (``k + 1`` live tiles) and, as each basis
-``A^{(m)}`` is complete, issues ``acc += fl16(2^{s} A^{(m)}) V^{(m)}`` with the left operand in registers; the
-tensor cores run while the next basis is computed. The ``[B, in, NB]`` basis is never written anywhere.
+:func:`jaxgrad.kan.basis_tiles.affine_knot_tables`, in two copies) and the ``NB + 1`` scaled coefficient slabs
+``V^{(m)}`` (fp16, ``[NB+1, bk, tile_n]``) into shared memory by TMA. Each compute warpgroup loads its ``x`` rows
+into registers, walks the diagonal Cox-de Boor sweep of :mod:`jaxgrad.kan.basis_tiles` in its affine form (``k + 1``
+live tiles) and, as each basis ``A^{(m)}`` is complete, issues ``acc += fl16(2^{s} A^{(m)}) V^{(m)}`` with the left
+operand in registers; the tensor cores run while the next basis is computed. The ``[B, in, NB]`` basis is never
+written anywhere.
 
 Scope: float32 ``x`` and parameters (bf16 / f16 layers are computed in float32, as the XLA path does); the kernel's
 shapes are padded to its tiles by :func:`kan_forward_mgpu` (zero rows of ``x``, zero knot-table columns and zero
@@ -43,12 +44,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgrad.kan import fp16_scaled
-from jaxgrad.kan.basis_tiles import KnotTable, knot_tables, pad_to, sweep
+from jaxgrad.kan.basis_tiles import KnotTable, affine_knot_tables, affine_sweep, pad_to
 from jaxgrad.kan.spline import bspline_basis
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["ForwardTiles", "kan_forward", "kan_forward_mgpu", "kan_forward_scaled_reference", "on_hopper", "scaled_operands", "supported"]
+__all__ = ["ForwardTiles", "kan_forward", "kan_forward_mgpu", "kan_forward_scaled_reference", "knot_table_limit",
+           "on_hopper", "require_hopper", "scaled_operands", "supported"]
 
 _ROWS = 64  # rows of x per compute warpgroup: the wgmma M
 _SMEM_BYTES = 227 * 1024
@@ -63,24 +65,27 @@ class ForwardTiles:
     tile_n: int = 128
     stages: int = 2
     epi_tile_m: int = 64
-    epi_tile_n: int = 32
+    epi_tile_n: int = 16  # 16 KiB of fp32 epilogue slots: room for two stages of bk = 32 at G = 5, k = 3
     grid_tile_width: int = 8
 
     def smem_bytes(self, nb: int, k: int) -> int:
         """Shared memory of one CTA: the stages (``x``, knot tables, ``NB + 1`` slabs) and the epilogue slots."""
-        rows = (k + 1) * (nb + k + 1)
+        rows = (2 * k + 1) * (nb + k + 1)
         stage = 2 * _ROWS * self.bk * 4 + rows * self.bk * 4 + (nb + 1) * self.bk * self.tile_n * 2 + 2 * _ROWS * 4
         return self.stages * stage + 2 * 2 * self.epi_tile_m * self.epi_tile_n * 4
 
     @classmethod
-    def for_layer(cls, nb: int, k: int) -> ForwardTiles:
+    def for_layer(cls, nb: int, k: int, tile_n: int | None = None) -> ForwardTiles:
         """The widest tiles whose shared memory fits: two stages if they can, ``bk`` 32 then 16, ``tile_n`` 128
-        then 64 and 32."""
+        then 64 and 32 (or only the ``tile_n`` given: 256 computes each basis tile once per 256 outputs instead of
+        128, for twice the accumulator registers)."""
+        widths = (128, 64, 32) if tile_n is None else (tile_n,)
         for stages in (2, 1):
-            for bk, tile_n in ((32, 128), (16, 128), (32, 64), (16, 64), (16, 32)):
-                t = cls(bk=bk, tile_n=tile_n, stages=stages)
-                if t.smem_bytes(nb, k) <= _SMEM_BYTES:
-                    return t
+            for tn in widths:
+                for bk in (32, 16):
+                    t = cls(bk=bk, tile_n=tn, stages=stages)
+                    if t.smem_bytes(nb, k) <= _SMEM_BYTES:
+                        return t
         raise ValueError(f"kan_forward_mgpu: {nb} bases of order {k} do not fit one CTA's shared memory")
 
 
@@ -88,10 +93,23 @@ def supported(x, grid, coef, base_weight) -> str | None:
     """``None`` when :func:`kan_forward_mgpu` runs these arrays, else why not (naming the argument)."""
     if getattr(x, "ndim", None) != 2:
         return f"'x' must be 2-D [B, in], got shape {jnp.shape(x)}"
+    why = knot_table_limit(grid, coef)
+    if why is not None:
+        return why
     for name, a in (("x", x), ("grid", grid), ("coef", coef), ("base_weight", base_weight)):
         if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
             return f"'{name}' must be float32 (the kernel's operands are scaled float16 from float32), got {a.dtype}"
     return None
+
+
+def knot_table_limit(grid, coef) -> str | None:
+    """The kernels copy a block's knots and reciprocal widths, ``(k + 1) (G + 2k + 1)`` rows, in one copy of at most
+    256 rows: ``None`` when ``grid`` fits, else why not."""
+    n_knots, k = grid.shape[-1], grid.shape[-1] - coef.shape[-1] - 1
+    if (k + 1) * n_knots <= 256:
+        return None
+    return (f"'grid' has {n_knots} knots a row at order {k}: the kernel's knot table would exceed 256 rows "
+            f"(grid_size <= {256 // (k + 1) - 2 * k - 1} at this order)")
 
 
 def _silu(x):
@@ -141,11 +159,16 @@ def kan_forward(x, grid, coef, base_weight, spline_order: int):
     products on any device are ``backend="xla", precision="fp16_scaled"``."""
     if x.dtype == jnp.float64:
         return kan_forward_scaled_reference(x, grid, coef, base_weight, spline_order)
+    require_hopper()
+    return kan_forward_mgpu(x, grid, coef, base_weight, spline_order)
+
+
+def require_hopper() -> None:
+    """Raise, naming the portable alternative, unless the default device is a Hopper GPU."""
     if not on_hopper():
         raise ValueError(f"kan_linear: backend='mosaic' runs on a Hopper GPU (sm_90), the default device is "
                          f"{jax.devices()[0].device_kind!r}; the same scaled products run anywhere with "
                          f"backend='xla', precision='{fp16_scaled.FP16_SCALED}'")
-    return kan_forward_mgpu(x, grid, coef, base_weight, spline_order)
 
 
 def _slab_transforms(bk: int):
@@ -157,6 +180,8 @@ def _slab_transforms(bk: int):
 
 
 def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, nb: int, k: int, n_rows: int):
+    # the knot table travels as two blocks (a copy moves at most 256 rows): knots and reciprocal widths, then the
+    # affine form's shifts
     """``acc [M, N]`` (fp32) of the scaled operands for the padded arrays (module doc)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -167,7 +192,8 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     cta_m = 2 * _ROWS
     m_iters, n_iters, k_iters = m // cta_m, n // tile_n, n_in // bk
-    rows_tab = tab_gmem.shape[0]
+    split = (k + 1) * n_rows
+    rows_shift = tab_gmem.shape[0] - split
 
     def spec(shape, index, transforms=()):
         return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
@@ -179,7 +205,8 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
             memory_registers=40,
             in_specs=[
                 spec((cta_m, bk), lambda kk: (0, kk), mgpu_common.smem_transforms(bk, jnp.float32)),
-                spec((rows_tab, bk), lambda kk: (0, kk)),
+                spec((split, bk), lambda kk: (0, kk)),
+                spec((rows_shift, bk), lambda kk: (0, kk)),
                 spec((nb + 1, bk, tile_n), lambda kk: (0, kk, 0), _slab_transforms(bk)),
                 spec((1, cta_m), lambda kk: (kk, 0)),  # the row scales, one copy per step
             ],
@@ -194,7 +221,8 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, tab_gmem, v_gmem.at[:nb + 1], rs_gmem),
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(x_gmem, tab_gmem.at[:split], tab_gmem.at[split:],
+                                                                 v_gmem.at[:nb + 1], rs_gmem),
         out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), jnp.float32,
                             transforms=mgpu_common.smem_transforms(epi_n, jnp.float32)),
         collective_axes="wg",
@@ -219,22 +247,24 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
                                            out_gmem.at[cta_m_slice, pl.ds(n_idx * tile_n, tile_n)].at[wg_m_slice],
                                            epi_m, epi_n)
 
-            def mma_body(_, x_smem, tab_smem, v_smem, rs_smem, acc_ref):
+            def mma_body(_, x_smem, tab_smem, shift_smem, v_smem, rs_smem, acc_ref):
                 x = x_smem[wg_m_slice]  # [64, bk] fp32
                 rs = lax.broadcast_in_dim(rs_smem.at[0][wg_m_slice], (_ROWS, bk), [0])  # 2^{s_b} per row
 
                 def knot_row(p, r):
-                    return lax.broadcast_in_dim(tab_smem[p * n_rows + r], (_ROWS, bk), [1])
+                    row = tab_smem[p * n_rows + r] if p <= k else shift_smem[(p - k - 1) * n_rows + r]
+                    return lax.broadcast_in_dim(row, (_ROWS, bk), [1])
 
                 tab = KnotTable(knot_row, expand=lambda row: row)
-                for mb, basis in sweep(x, tab, nb + k, k):
+                for mb, basis in affine_sweep(x, tab, nb + k, k, k):
                     plgpu.wgmma(acc_ref, (basis * rs).astype(jnp.float16), v_smem.at[mb])
                 plgpu.wgmma(acc_ref, (_silu(x) * rs).astype(jnp.float16), v_smem.at[nb])
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
             pipeline(mma_body, compute_context)(
-                x_gmem.at[cta_m_slice, :], tab_gmem, v_gmem.at[pl.ds(n_idx * (nb + 1), nb + 1)], rs_gmem.at[:, cta_m_slice],
+                x_gmem.at[cta_m_slice, :], tab_gmem.at[:split], tab_gmem.at[split:],
+                v_gmem.at[pl.ds(n_idx * (nb + 1), nb + 1)], rs_gmem.at[:, cta_m_slice],
                 allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -282,7 +312,7 @@ def kan_forward_mgpu(x, grid, coef, base_weight, spline_order: int, config: Forw
     in_pad = -(-in_f // c.bk) * c.bk
     out_pad = -(-out_f // c.tile_n) * c.tile_n
     n_rows = nb + k + 1
-    tab = knot_tables(grid, jnp.float32, k, n_rows, in_pad)  # [(k+1) n_rows, in_pad]
+    tab = affine_knot_tables(grid, jnp.float32, k, n_rows, in_pad)  # [(2k+1) n_rows, in_pad]
     v16 = (v * fp16_scaled.pow2(t, v.dtype)[None, None, :]).astype(jnp.float16)
     v16 = pad_to(v16, (nb + 1, in_pad, out_pad))
     # [out tiles * (NB+1), in, tile_n]: a CTA's NB+1 slabs are one block of rows (a copy of at most 5 strided
