@@ -553,6 +553,9 @@ def audit_cases():
         # float16 operands scaled by powers of two: judged at the float16 rounding its program shows
         OpAudit("kan_linear[xla] precision=fp16_scaled", fn_for("xla", fp16_scaled.FP16_SCALED), reference,
                 make_args, ((7, 5, 3), (33, 9, 4), (129, 17, 6)), arg_names=("params", "x"), backend="xla"),
+        # the forward and dx Mosaic kernels (Hopper), on the same scaled float16 operands
+        OpAudit("kan_linear[mosaic]", fn_for("mosaic"), reference, make_args, ((129, 17, 6), (257, 96, 33)),
+                arg_names=("params", "x"), backend="mosaic"),
         # the scaled product alone: its own VJP (reached when the layer's backward is differentiated again)
         OpAudit("kan_fp16_scaled_matmul[xla]", fp16_scaled.matmul, jnp.matmul, _matmul_args,
                 ((7, 5, 3), (33, 96, 10), (129, 520, 7)), arg_names=("a", "b"), backend="xla"),
