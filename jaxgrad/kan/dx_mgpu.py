@@ -111,21 +111,11 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
     split = (k + 1) * n_rows  # knots and reciprocal widths; then the affine form's shifts
     rows_shift = tab_gmem.shape[0] - split
 
-    def spec(shape, index, transforms):
-        return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
-
-    def pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(o_iters,),
-            memory_registers=40,
-            in_specs=[spec((cta_m, tile_o), lambda kk: (0, kk), mgpu_common.smem_transforms(tile_o, jnp.float16)),
-                      spec((cnt, bk, tile_o), lambda kk: (0, 0, kk), mgpu_common.smem_transforms(tile_o, jnp.float16))],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-        )
+    spec = mgpu_common.smem_spec
+    pipeline = mgpu_common.warp_specialized([
+        spec((cta_m, tile_o), lambda kk: (0, kk), mgpu_common.smem_transforms(tile_o, jnp.float16)),
+        spec((cnt, bk, tile_o), lambda kk: (0, 0, kk), mgpu_common.smem_transforms(tile_o, jnp.float16)),
+    ], o_iters, cfg.stages)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
 

@@ -195,26 +195,14 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
     split = (k + 1) * n_rows
     rows_shift = tab_gmem.shape[0] - split
 
-    def spec(shape, index, transforms=()):
-        return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
-
-    def pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_iters,),
-            memory_registers=40,
-            in_specs=[
-                spec((cta_m, bk), lambda kk: (0, kk), mgpu_common.smem_transforms(bk, jnp.float32)),
-                spec((split, bk), lambda kk: (0, kk)),
-                spec((rows_shift, bk), lambda kk: (0, kk)),
-                spec((nb + 1, bk, tile_n), lambda kk: (0, kk, 0), _slab_transforms(bk)),
-                spec((1, cta_m), lambda kk: (kk, 0)),  # the row scales, one copy per step
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.stages,
-            compute_context=compute_context,
-        )
+    spec = mgpu_common.smem_spec
+    pipeline = mgpu_common.warp_specialized([
+        spec((cta_m, bk), lambda kk: (0, kk), mgpu_common.smem_transforms(bk, jnp.float32)),
+        spec((split, bk), lambda kk: (0, kk)),
+        spec((rows_shift, bk), lambda kk: (0, kk)),
+        spec((nb + 1, bk, tile_n), lambda kk: (0, kk, 0), _slab_transforms(bk)),
+        spec((1, cta_m), lambda kk: (kk, 0)),  # the row scales, one copy per step
+    ], k_iters, cfg.stages)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
     slots = min(2, (_ROWS // epi_m) * (tile_n // epi_n))

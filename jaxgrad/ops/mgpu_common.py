@@ -1,6 +1,7 @@
-"""What the Mosaic GPU kernels (:mod:`jaxgrad.ops.lora_linear_mgpu`, :mod:`jaxgrad.ops.lm_head_loss_mgpu`) share: the
-shared-memory layout of a ``wgmma`` / TMA tile, the warp-specialised K loop, the epilogue's tiled store, zero padding
-to whole tiles, and the persistent grid's size."""
+"""What the Mosaic GPU kernels (:mod:`jaxgrad.ops.lora_linear_mgpu`, :mod:`jaxgrad.ops.lm_head_loss_mgpu`, the KAN
+layer's :mod:`jaxgrad.kan.forward_mgpu` and :mod:`jaxgrad.kan.dx_mgpu`) share: the shared-memory layout of a
+``wgmma`` / TMA tile, the warp-specialised K loop, the epilogue's tiled store, zero padding to whole tiles, and the
+persistent grid's size."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "smem_transforms", "store_tile"]
+__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "smem_spec", "smem_transforms", "store_tile",
+           "warp_specialized"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,29 +53,43 @@ def num_sms() -> int:
     return backend.get_default_device().core_count
 
 
-def k_pipeline(dtype, lhs_block: tuple[int, int], rhs_block: tuple[int, int], rhs_index, k_iters: int,
-               max_concurrent_steps: int):
-    """``pipeline(body, compute_context)``: the warp-specialised K loop of a GEMM tile (after JAX's
-    ``hopper_matmul_mgpu.py``): a memory warpgroup streams, for K-step ``k``, the left operand's ``lhs_block``
-    (``[rows, tile_k]``, block ``(0, k)``) and the right one's ``rhs_block`` (block ``rhs_index(k)``) into shared
-    memory by TMA, ``max_concurrent_steps`` stages deep; two compute warpgroups run ``body`` on each stage."""
+def smem_spec(shape, index, transforms=()):
+    """A pipeline input's block: ``shape`` at block ``index(k)``, in shared memory with ``transforms``."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    def spec(shape, index):
-        return plgpu.BlockSpec(shape, index, transforms=smem_transforms(shape[1], dtype), memory_space=plgpu.SMEM)
+    return plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
+
+
+def warp_specialized(in_specs, k_iters: int, max_concurrent_steps: int):
+    """``pipeline(body, compute_context)``: a K loop of ``k_iters`` steps in which a memory warpgroup streams the
+    blocks of ``in_specs`` into shared memory by TMA, ``max_concurrent_steps`` stages deep, and two compute
+    warpgroups (axis ``"wg"``) run ``body`` on each stage (after JAX's ``hopper_matmul_mgpu.py``)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[spec(lhs_block, lambda kk: (0, kk)), spec(rhs_block, rhs_index)],
+            in_specs=list(in_specs),
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=max_concurrent_steps,
             compute_context=compute_context,
         )
     return pipeline
+
+
+def k_pipeline(dtype, lhs_block: tuple[int, int], rhs_block: tuple[int, int], rhs_index, k_iters: int,
+               max_concurrent_steps: int):
+    """:func:`warp_specialized` for a GEMM tile: for K-step ``k``, the left operand's ``lhs_block`` (``[rows,
+    tile_k]``, block ``(0, k)``) and the right one's ``rhs_block`` (block ``rhs_index(k)``), each in its ``wgmma``
+    layout."""
+    def spec(shape, index):
+        return smem_spec(shape, index, smem_transforms(shape[1], dtype))
+
+    return warp_specialized([spec(lhs_block, lambda kk: (0, kk)), spec(rhs_block, rhs_index)], k_iters,
+                            max_concurrent_steps)
 
 
 def store_tile(value, slots_smem, wg, dst, epi_m: int, epi_n: int) -> None:
