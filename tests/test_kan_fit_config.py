@@ -201,19 +201,26 @@ def test_the_cli_defaults_are_the_shipped_config():
         assert CLI_SCHEMA["data"][k][1] == v, k
 
 
+# This width's floor at G = 3 with the knots spanning the samples' range (pykan's placement, any grid_eps): the best
+# joint fit reaches test RMSE 1.41e-2 (scripts/kan_fit_floor.py, benchmarks/results/kan-fit-floor-*.json)
+G3_BOUND = 1.45e-2
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_shipped_config_first_grid_reaches_pykans_g3(x64, seed):
-    # The shipped run's first 400 steps (grid 3 alone: the same trajectory, ~5 s on a CPU). Measured test RMSE
-    # (seeds 0..4): 1.55e-2, 1.58e-2, 1.78e-2, 1.60e-2, 1.96e-2; pykan 1.53e-2. Pure L-BFGS from the same init
-    # stalls at ~0.5 on most seeds (docs/design.md section 4), which this bound fails.
+def test_shipped_config_first_grid_reaches_the_g3_floor(x64, seed):
+    # The shipped run's first 800 steps (grid 3 alone: the same trajectory, ~5 s on a CPU). Measured test RMSE
+    # (seeds 0..4): 1.421e-2, 1.420e-2, 1.423e-2, 1.422e-2, 1.423e-2; pykan 1.53e-2. With the grids moved only at
+    # steps 0 and 100 (the previous schedule) the hidden node's range drifts off the outer grid and seeds 0..4 end
+    # at 1.55e-2 .. 1.96e-2, which this bound fails; pure L-BFGS from the same init stalls at ~0.5 on most seeds
+    # (docs/design.md section 4).
     per = _rmse_per_grid(_shipped_fit(grids=(3,)), seed, SHIPPED["model"]["refine_every"])
-    assert per[3] <= 2e-2, per
+    assert per[3] <= G3_BOUND, per
 
 
 @pytest.mark.slow
 def test_shipped_config_reaches_pykans_series_on_five_seeds(x64):
-    # configs/kan.toml as shipped (grids 3 -> 5 -> 10, 400 steps each), seeds 0..4: ~20 s each on a CPU.
-    # Measured at G = 10: 3.11e-4, 3.39e-4, 3.39e-4, 3.67e-4, 3.76e-4 (pykan 3.29e-4).
+    # configs/kan.toml as shipped (grids 3 -> 5 -> 10, 800 steps each), seeds 0..4: ~10 s each on a CPU.
+    # Measured at G = 10: 3.11e-4, 3.10e-4, 3.11e-4, 3.11e-4, 4.41e-4 (pykan 3.29e-4).
     for seed in range(5):
         per = _rmse_per_grid(_shipped_fit(), seed, SHIPPED["train"]["steps"])
-        assert per[10] <= 5e-4 and per[3] <= 2.2e-2, (seed, per)
+        assert per[10] <= 5e-4 and per[3] <= G3_BOUND, (seed, per)

@@ -249,9 +249,9 @@ def _rmse_per_target(params, x, y):
 # ----------------------------------------------------------------------------------------------------------------
 
 CLI_SCHEMA = {
-    "model": {"widths": ("ints", [2, 1, 1]), "grids": ("ints", [3, 5, 10]), "refine_every": ("int", 400),
-              "spline_order": ("int", 3), "init": ("str", "pykan", INITS), "grid_update_every": ("int", 100),
-              "stop_grid_update_step": ("int", 101), "grid_eps": ("float", 1.0),
+    "model": {"widths": ("ints", [2, 1, 1]), "grids": ("ints", [3, 5, 10]), "refine_every": ("int", 800),
+              "spline_order": ("int", 3), "init": ("str", "pykan", INITS), "grid_update_every": ("int", 400),
+              "stop_grid_update_step": ("int", 401), "grid_eps": ("float", 1.0),
               "backend": ("str", "xla", BACKENDS), "precision": ("str", "default", PRECISIONS),
               "dtype": ("str", "float64", ("float32", "float64"))},
     "data": {"target": ("str", "exp_sin_pi_x_plus_y2", tuple(TARGETS)), "n_train": ("int", 1000),
@@ -260,7 +260,7 @@ CLI_SCHEMA = {
              "standardize": ("str", "none", STANDARDIZE), "batch_size": ("int?", None), "seed": ("int", 1)},
 }
 # the family's defaults are configs/kan.toml's fit (another optimizer: set lbfgs_warmup_steps to 0 too)
-CLI_TRAIN_DEFAULTS = {"optimizer": "lbfgs", "steps": 1200, "lbfgs_warmup_steps": 100, "log_every": 10,
+CLI_TRAIN_DEFAULTS = {"optimizer": "lbfgs", "steps": 2400, "lbfgs_warmup_steps": 100, "log_every": 10,
                       "checkpoint_every": 100}
 # on --resume these may not change: they define the params' shapes or the data order
 CLI_FIXED = {"model": ("widths", "grids", "refine_every", "spline_order", "init", "grid_update_every",
