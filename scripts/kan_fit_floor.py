@@ -5,11 +5,11 @@ exp(sin(pi x) + y^2), by knot placement, computed by jaxgrad.kan.fit_floor (floa
     python scripts/kan_fit_floor.py [--grid 3] [--restarts 8] [--random-inits 4] [--out-dir benchmarks/results]
 
 Per placement (``--grid-eps`` values with the knots spanning the samples' range, as pykan and the grid updates
-place them, then ``--insets`` of the input layer's core): the linearised floor (each inner edge's least-squares
-residual and their F'-weighted joint one) and the joint fit's best and every start's train / test RMSE. The data
-are ``jaxgrad train kan``'s (``configs/kan.toml``: 1000 / 1000 points, data seed 1). Writes
-``kan-fit-floor-cpu-f64-<YYYYmmdd>-<HHMMSS>.json`` with the bench results' ``environment`` block into ``--out-dir``
-(default ``runs/bench``, git-ignored).
+place them, then ``--overhangs``: knot intervals of the inputs' range left outside the input layer's knots): the
+linearised floor (each inner edge's least-squares residual and their F'-weighted joint one) and the joint fit's best
+and every start's train / test RMSE. The data are ``jaxgrad train kan``'s (``configs/kan.toml``: 1000 / 1000 points,
+data seed 1). Writes ``kan-fit-floor-cpu-f64-<YYYYmmdd>-<HHMMSS>.json`` with the bench results' ``environment``
+block into ``--out-dir`` (default ``runs/bench``, git-ignored).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", type=int, default=3)
     ap.add_argument("--grid-eps", default="1,0.5,0", help="grid_eps values, knots spanning the samples' range")
-    ap.add_argument("--insets", default="0.1,0.2,0.22,0.25", help="input-layer insets (with grid_eps 1)")
+    ap.add_argument("--overhangs", default="0.5,1,1.5", help="input-layer overhangs in knot intervals (grid_eps 1)")
     ap.add_argument("--restarts", type=int, default=8, help="least-squares start and its perturbations")
     ap.add_argument("--random-inits", type=int, default=4, help="pykan inits")
     ap.add_argument("--rounds", type=int, default=4, help="L-BFGS + grid update rounds per start")
@@ -53,23 +53,23 @@ def main(argv=None):
     fit = KANFit(dtype="float64")
     data = make_dataset(fit)
     placements = [Placement(grid_eps=float(e)) for e in args.grid_eps.split(",") if e] + \
-        [Placement(grid_eps=1.0, input_inset=float(a)) for a in args.insets.split(",") if a]
+        [Placement(grid_eps=1.0, input_overhang=float(a)) for a in args.overhangs.split(",") if a]
     env = bm.environment()
     t_all = time.perf_counter()
     rows = []
     print(f"exp(sin(pi x) + y^2), [2, 1, 1], k=3, G={args.grid}, {fit.n_train} train / {fit.n_test} test, float64")
-    print(f"{'grid_eps':>8} {'inset':>6} {'sin edge':>9} {'y^2 edge':>9} {'linearised':>10} {'LS start':>9} "
+    print(f"{'grid_eps':>8} {'overhang':>8} {'sin edge':>9} {'y^2 edge':>9} {'linearised':>10} {'LS start':>9} "
           f"{'best train':>10} {'best test':>10} {'tests of all starts':>22}")
     for pl in placements:
         start = start_network(jnp.asarray(data[0]), INNER, OUTER, args.grid, 3, pl)
-        grids = place_grids(start, jnp.asarray(data[0]), pl, 3)[0]["grid"]
+        grids = place_grids(start, jnp.asarray(data[0]), pl)[0]["grid"]
         lin = linearised_floor(data[0], INNER, OUTER, grids, 3)
         res = joint_fit(data, INNER, OUTER, grid_size=args.grid, placement=pl, restarts=args.restarts,
                         random_inits=args.random_inits, rounds=args.rounds, seed=args.seed)
         res["linearised_floor"] = lin
         rows.append(res)
         tests = sorted(r["test_rmse"] for r in res["runs"])
-        print(f"{pl.grid_eps:>8g} {pl.input_inset:>6g} {lin['edge_rmse'][0]:>9.2e} {lin['edge_rmse'][1]:>9.2e} "
+        print(f"{pl.grid_eps:>8g} {pl.input_overhang:>8g} {lin['edge_rmse'][0]:>9.2e} {lin['edge_rmse'][1]:>9.2e} "
               f"{lin['rmse']:>10.3e} {res['least_squares_start']['test_rmse']:>9.2e} "
               f"{res['best']['train_rmse']:>10.3e} {res['best']['test_rmse']:>10.3e} "
               f"{tests[0]:.2e} .. {tests[-1]:.2e}", flush=True)

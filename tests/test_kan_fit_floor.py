@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrad.kan.fit_floor import Placement, inset_grid, joint_fit, linearised_floor, start_network
+from jaxgrad.kan.fit_floor import Placement, joint_fit, linearised_floor, start_network
 from jaxgrad.kan.grid import grid_from_samples
+from jaxgrad.kan.network import kan_apply_reference
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +25,16 @@ def _data(f, n=200, seed=0):
     return xtr, f(xtr)[:, None], xte, f(xte)[:, None]
 
 
-def test_inset_grid_narrows_the_core_and_keeps_it_uniform(x64):
-    g, _ = grid_from_samples(jnp.linspace(-1.0, 1.0, 11)[:, None], 3, 3, grid_eps=1.0, margin=0.0)
-    narrowed = inset_grid(g, 3, 0.2)
-    np.testing.assert_allclose(narrowed[0, 3:7], [-0.6, -0.2, 0.2, 0.6], atol=1e-12)  # 2 * 0.2 of the range off
-    np.testing.assert_allclose(np.diff(narrowed[0]), 0.4, atol=1e-12)                  # extension at the same step
-    np.testing.assert_allclose(inset_grid(g, 3, 0.0), g, atol=1e-15)
-    with pytest.raises(ValueError, match="input_inset"):
-        Placement(input_inset=0.5)
+def test_an_overhang_leaves_that_many_intervals_of_the_samples_outside_the_knots(x64):
+    x = jnp.linspace(-1.0, 1.0, 11)[:, None]
+    pykan, _ = grid_from_samples(x, 3, 3, grid_eps=1.0, margin=0.0)
+    np.testing.assert_allclose(pykan[0, 3:7], [-1.0, -1 / 3, 1 / 3, 1.0], atol=1e-12)
+    one, h = grid_from_samples(x, 3, 3, grid_eps=1.0, margin=0.0, overhang=1)
+    np.testing.assert_allclose(h, [0.4])                                              # the range is 3 + 2 intervals
+    np.testing.assert_allclose(one[0, 3:7], [-0.6, -0.2, 0.2, 0.6], atol=1e-12)
+    np.testing.assert_allclose(np.diff(one[0]), 0.4, atol=1e-12)                      # extension at the same step
+    with pytest.raises(ValueError, match="'overhang' must be a number in \\[0, spline_order = 3\\]"):
+        grid_from_samples(x, 3, 3, overhang=4)
 
 
 def test_a_target_every_edge_represents_has_floor_zero(x64):
@@ -42,8 +45,6 @@ def test_a_target_every_edge_represents_has_floor_zero(x64):
     grids = grid_from_samples(jnp.asarray(data[0]), 3, 3, grid_eps=1.0)[0]
     assert linearised_floor(data[0], inner, lambda s: 2 * s, grids, 3)["rmse"] < 1e-12
     start = start_network(data[0], inner, outer, 3, 3, Placement())
-    from jaxgrad.kan.network import kan_apply_reference
-
     assert float(jnp.sqrt(jnp.mean((kan_apply_reference(start, jnp.asarray(data[0])) - data[1]) ** 2))) < 1e-10
     res = joint_fit(data, inner, outer, restarts=1, random_inits=0, rounds=1, max_iter=200)
     assert res["best"]["train_rmse"] < 1e-9 and res["best"]["test_rmse"] < 1e-8

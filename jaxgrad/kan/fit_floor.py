@@ -6,8 +6,8 @@ Edge spaces. An edge of input ``x_i`` computes an element of
 B-splines on its knot row and its SiLU base term (:func:`jaxgrad.kan.layer.kan_linear_reference`; the scaler only
 rescales). The knots are not trained; a *placement* says where grid updates put them
 (:func:`jaxgrad.kan.grid.update_grids`): ``grid_eps`` mixes uniform knots over the samples' range (1, pykan's
-default) with their quantiles (0), and ``input_inset`` > 0 narrows the input layer's uniform core by that fraction
-of its range at each end, so the samples' ends fall in the ``k`` extension intervals.
+default) with their quantiles (0), and ``input_overhang = J`` > 0 shrinks the input layer's uniform knots so that the
+samples reach ``J`` intervals past them into the ``k`` extension intervals on each side.
 
 1. **Linearised floor** (:func:`linearised_floor`). The hidden node's offset is free (the outer edge's knots follow
    the hidden values, so ``h + c`` through knots moved by ``c`` is the same network), hence each inner edge
@@ -42,38 +42,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrad.kan.grid import _refit, grid_from_samples, update_grids
+from jaxgrad.kan.grid import grid_from_samples, update_grids
 from jaxgrad.kan.network import kan_apply_reference, kan_init
 from jaxgrad.kan.spline import bspline_basis
 
-__all__ = ["Placement", "edge_design", "inset_grid", "joint_fit", "linearised_floor", "place_grids", "start_network"]
+__all__ = ["Placement", "edge_design", "joint_fit", "linearised_floor", "place_grids", "start_network"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where grid updates put the knots: ``grid_eps`` as :func:`~jaxgrad.kan.grid.update_grids` (1: uniform over
-    the samples' range, 0: their quantiles); ``input_inset`` in ``[0, 0.5)``: the input layer's core narrowed by
-    this fraction of its range at each end (0: the knots span the samples' range, as pykan places them)."""
+    """Where grid updates put the knots: ``grid_eps`` and ``input_overhang`` as
+    :func:`~jaxgrad.kan.grid.update_grids` takes them (``grid_eps`` 1: uniform over the samples' range, 0: their
+    quantiles; ``input_overhang`` in ``[0, k]``: intervals of the inputs' range outside the input layer's knots on
+    each side, 0 as pykan)."""
 
     grid_eps: float = 1.0
-    input_inset: float = 0.0
+    input_overhang: float = 0.0
 
     def __post_init__(self):
         if not 0.0 <= self.grid_eps <= 1.0:
             raise ValueError(f"Placement: 'grid_eps' must be in [0, 1], got {self.grid_eps}")
-        if not 0.0 <= self.input_inset < 0.5:
-            raise ValueError(f"Placement: 'input_inset' must be in [0, 0.5), got {self.input_inset}")
-
-
-def inset_grid(grid: jax.Array, spline_order: int, inset: float) -> jax.Array:
-    """``grid[in, G+2k+1]`` with its core ``[t_k, t_{G+k}]`` narrowed by ``inset`` times its length at each end,
-    uniform, extended by ``k`` knots of the new step on each side."""
-    k = int(spline_order)
-    G = grid.shape[1] - 2 * k - 1
-    lo, hi = grid[:, k], grid[:, k + G]
-    lo, hi = lo + inset * (hi - lo), hi - inset * (hi - lo)
-    h = (hi - lo) / G
-    return lo[:, None] + h[:, None] * jnp.arange(-k, G + k + 1, dtype=grid.dtype)
+        if not 0.0 <= self.input_overhang:
+            raise ValueError(f"Placement: 'input_overhang' must be >= 0, got {self.input_overhang}")
 
 
 def edge_design(x: jax.Array, grid_row: jax.Array, spline_order: int) -> jax.Array:
@@ -110,17 +100,9 @@ def _layer(grid, coef):
             "spline_scaler": jnp.ones((1, coef.shape[0]), coef.dtype), "grid": grid}
 
 
-def place_grids(params, x, placement: Placement, spline_order: int):
-    """Every layer's grid updated from its samples (:func:`~jaxgrad.kan.grid.update_grids`), then the input
-    layer's core inset (its spline refitted to the same curves, as a grid update does)."""
-    params = update_grids(params, x, grid_eps=placement.grid_eps)
-    if placement.input_inset:
-        p = dict(params[0])
-        new = inset_grid(p["grid"], spline_order, placement.input_inset)
-        p["spline_weight"] = _refit(p, jnp.asarray(x), new)
-        p["grid"] = new
-        params = [p, *params[1:]]
-    return params
+def place_grids(params, x, placement: Placement):
+    """Every layer's grid updated from its samples (:func:`~jaxgrad.kan.grid.update_grids`)."""
+    return update_grids(params, x, grid_eps=placement.grid_eps, input_overhang=placement.input_overhang)
 
 
 def start_network(x, inner: Sequence[Callable], outer: Callable, grid_size: int, spline_order: int,
@@ -130,9 +112,7 @@ def start_network(x, inner: Sequence[Callable], outer: Callable, grid_size: int,
     hidden values; each layer's knots placed from its samples."""
     x = jnp.asarray(x)
     k = spline_order
-    g0 = grid_from_samples(x, grid_size, k, grid_eps=placement.grid_eps)[0]
-    if placement.input_inset:
-        g0 = inset_grid(g0, k, placement.input_inset)
+    g0 = grid_from_samples(x, grid_size, k, grid_eps=placement.grid_eps, overhang=placement.input_overhang)[0]
     one = jnp.ones((x.shape[0], 1), x.dtype)
     coefs = [jnp.linalg.lstsq(jnp.concatenate([edge_design(x[:, i], g0[i], k), one], axis=1), f(x[:, i]))[0][:-1]
              for i, f in enumerate(inner)]
@@ -202,7 +182,7 @@ def joint_fit(data, inner: Sequence[Callable], outer: Callable, *, grid_size: in
     for r in range(random_inits):
         net = kan_init(jax.random.key(seed + r), [xtr.shape[1], 1, 1], dtype=jnp.float64, grid_size=grid_size,
                        spline_order=k, init="pykan")
-        starts.append((f"pykan_init_{r}", place_grids(net, xtr, placement, k)))
+        starts.append((f"pykan_init_{r}", place_grids(net, xtr, placement)))
     runs = []
     for name, params in starts:
         t0 = time.perf_counter()
@@ -210,7 +190,7 @@ def joint_fit(data, inner: Sequence[Callable], outer: Callable, *, grid_size: in
         for _ in range(rounds):
             params, n = _lbfgs(params, xtr, ytr, max_iter)
             iters += n
-            params = place_grids(params, xtr, placement, k)
+            params = place_grids(params, xtr, placement)
         params, n = _lbfgs(params, xtr, ytr, max_iter)
         runs.append({"start": name, "train_rmse": _rmse(params, xtr, ytr), "test_rmse": _rmse(params, xte, yte),
                      "lbfgs_iterations": iters + n, "seconds": time.perf_counter() - t0})

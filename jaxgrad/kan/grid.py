@@ -11,6 +11,12 @@ For every input feature ``i`` the ``n`` samples are sorted and two knot rows of 
 * ``grid = grid_eps * uniform + (1 - grid_eps) * adaptive``, extended by ``k`` knots on each side with the uniform
   step ``h`` (efficient-kan's extension).
 
+``overhang = J`` (0 in pykan and efficient-kan) shrinks the uniform knots so that the samples reach ``J`` intervals
+past them into the extension on each side: ``h = (max - min + 2 * margin) / (G + 2J)``, knots ``min - margin + (J +
+j) h``. On its core ``[t_k, t_{G+k}]`` a knot row's B-splines sum to 1, so an edge's space holds the constants; with
+``J > 0`` the samples' ends lie where they do not, and that dimension goes to the shape instead (a node sums its
+edges, so one constant is enough). ``J`` is at most ``k``: further out no basis reaches.
+
 Both rows are non-decreasing, so the mix is sorted; with ``grid_eps > 0`` and ``h > 0`` it is strictly increasing
 even when samples repeat. If an input has no spread at all (``h == 0``: every sample equal *and* ``margin == 0``)
 there is nothing to adapt to, and that input keeps its old grid row and its old coefficients.
@@ -78,21 +84,32 @@ def _extend(core: jax.Array, h: jax.Array, k: int) -> jax.Array:
 
 
 def grid_from_samples(x: jax.Array, grid_size: int, spline_order: int, *, grid_eps: float = 0.02,
-                      margin: float = 0.01) -> tuple[jax.Array, jax.Array]:
-    """pykan's adaptive/uniform knot mix from samples ``x[n, in]``.
+                      margin: float = 0.01, overhang: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """pykan's adaptive/uniform knot mix from samples ``x[n, in]``; ``overhang`` (a number in ``[0, k]``): the
+    intervals by which the samples reach past the uniform knots on each side (module docstring).
 
     Returns ``(grid[in, G+2k+1], h[in])``; ``h == 0`` marks an input without spread (see the module docstring).
     """
     n = x.shape[0]
     G, k = int(grid_size), int(spline_order)
+    _check_overhang(overhang, k)
     xs = jnp.sort(x, axis=0)  # [n, in]
     ids = [int(n / G * j) for j in range(G)] + [n - 1]
     adaptive = xs[np.asarray(ids)].T  # [in, G+1]
     lo, hi = xs[0], xs[-1]
-    h = (hi - lo + 2 * margin) / G  # [in]
-    uniform = (lo - margin)[:, None] + h[:, None] * jnp.arange(G + 1, dtype=x.dtype)
+    h = (hi - lo + 2 * margin) / (G + 2 * overhang)  # [in]
+    uniform = (lo - margin)[:, None] + h[:, None] * (overhang + jnp.arange(G + 1, dtype=x.dtype))
     core = grid_eps * uniform + (1 - grid_eps) * adaptive
     return _extend(core, h, k), h
+
+
+def _check_overhang(overhang, k) -> None:
+    if isinstance(overhang, jax.core.Tracer):  # under jit the caller checked it
+        return
+    if isinstance(overhang, bool) or not isinstance(overhang, (int, float, np.integer, np.floating)) \
+            or not 0 <= float(overhang) <= k:
+        raise ValueError(f"KAN grid update: 'overhang' must be a number in [0, spline_order = {k}] (knot intervals "
+                         f"by which the samples reach past the uniform knots), got {overhang!r}")
 
 
 def _refit(params, x, new_grid, keep_rows=None):
@@ -110,12 +127,12 @@ def _refit(params, x, new_grid, keep_rows=None):
 
 
 @jax.jit
-def _update_grid_impl(params, x, grid_eps, margin):
+def _update_grid_impl(params, x, grid_eps, margin, overhang=0.0):
     k = check_params(params)
     G = params["spline_weight"].shape[-1] - k
     grid = params["grid"]
     dt = jnp.result_type(x.dtype, grid.dtype)
-    new_grid, h = grid_from_samples(x.astype(dt), G, k, grid_eps=grid_eps, margin=margin)
+    new_grid, h = grid_from_samples(x.astype(dt), G, k, grid_eps=grid_eps, margin=margin, overhang=overhang)
     degenerate = ~(h > 0)
     new_grid = jnp.where(degenerate[:, None], grid.astype(dt), new_grid)
     out = dict(params)
@@ -125,15 +142,17 @@ def _update_grid_impl(params, x, grid_eps, margin):
 
 
 def update_grid(params: dict[str, jax.Array], x: jax.Array, *, grid_eps: float = 0.02,
-                margin: float = 0.01) -> dict[str, jax.Array]:
-    """Adapt the layer's grid to samples ``x[..., in]`` and refit ``spline_weight`` (see the module docstring).
+                margin: float = 0.01, overhang: float = 0.0) -> dict[str, jax.Array]:
+    """Adapt the layer's grid to samples ``x[..., in]`` and refit ``spline_weight`` (see the module docstring;
+    ``overhang``: the samples reach that many intervals past the uniform knots, 0 as pykan).
 
     Returns a new params dict (same shapes and dtypes; ``spline_scaler``, ``base_weight``, ``bias`` unchanged).
     Raises ``ValueError`` naming ``'x'`` when ``x`` has NaN/Inf (checked when ``x`` is concrete; under an outer
     ``jit`` that check is skipped). Compiled once per shape.
     """
     x = _as_samples(params, x)
-    return _update_grid_impl(params, x, grid_eps, margin)
+    _check_overhang(overhang, check_params(params))
+    return _update_grid_impl(params, x, grid_eps, margin, overhang)
 
 
 def _interpolate_knots(grid: jax.Array, k: int, new_G: int) -> tuple[jax.Array, jax.Array]:
@@ -212,17 +231,20 @@ _forward_layer = jax.jit(kan_linear_reference)
 
 
 def update_grids(net_params: Sequence[dict[str, jax.Array]], x: jax.Array, *, grid_eps: float = 0.02,
-                 margin: float = 0.01) -> list[dict[str, jax.Array]]:
+                 margin: float = 0.01, input_overhang: float = 0.0) -> list[dict[str, jax.Array]]:
     """:func:`update_grid` for every layer of a network, each on its own input: ``x`` is propagated through the
     layers *after* each update (so every layer adapts to the inputs it will actually see; since an update preserves
-    the output on the samples, this differs from pykan's propagate-once only by the refit residual)."""
+    the output on the samples, this differs from pykan's propagate-once only by the refit residual).
+
+    ``input_overhang``: :func:`update_grid`'s ``overhang`` for the first layer, whose inputs' range the data fix;
+    the hidden layers' values move as the network trains, and their knots keep spanning them (overhang 0)."""
     layers, single = _as_list(net_params)
     x = jnp.asarray(x)
     _check_finite(x, "x")
     h = x.reshape(-1, x.shape[-1])
     new = []
-    for p in layers:
-        p = update_grid(p, h, grid_eps=grid_eps, margin=margin)
+    for i, p in enumerate(layers):
+        p = update_grid(p, h, grid_eps=grid_eps, margin=margin, overhang=input_overhang if i == 0 else 0.0)
         new.append(p)
         h = _forward_layer(p, h)
     return new[0] if single else new

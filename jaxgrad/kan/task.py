@@ -9,7 +9,10 @@ initialised as ``init`` says (``"pykan"`` or ``"efficient_kan"``, :func:`jaxgrad
 optimiser state restarts and the step retraces once per grid). Optional pykan-style grid updates
 (:func:`jaxgrad.kan.grid.update_grids`; ``grid_eps``, as pykan's, applies to them: 0 follows the samples'
 quantiles, 1 is uniform over their range; a refinement keeps :func:`~jaxgrad.kan.grid.refine_network`'s 0.02)
-every ``grid_update_every`` steps of each grid while ``< stop_grid_update_step`` steps into it.
+every ``grid_update_every`` steps of each grid while ``< stop_grid_update_step`` steps into it, or at the steps
+``grid_update_at`` of each grid. On a grid whose size is in ``input_overhang_grids`` those updates leave one knot
+interval of the inputs' range outside the input layer's knots on each side (``update_grids``'s
+``input_overhang=1``); elsewhere the knots span the range, as pykan places them.
 
 Loss: item ``i`` is one sample, :math:`\ell_i = \frac{1}{d_{out}} \sum_o (f(x_i)_o - y_{io})^2`, returned as
 :math:`(\sum_i \ell_i, B)`: the engine's loss is the MSE. ``grad_path="custom_vjp"`` differentiates
@@ -68,6 +71,8 @@ class KANFit:
     dtype: str = "float32"
     init: str = "efficient_kan"  # the library's default (scripts/kan_fit.py's committed series); the CLI's: pykan
     grid_eps: float = 0.02
+    grid_update_at: tuple[int, ...] = ()
+    input_overhang_grids: tuple[int, ...] = ()
     n_train: int = 1000
     n_test: int = 1000
     batch_size: int | None = None
@@ -87,6 +92,17 @@ class KANFit:
             need(self.widths[0] == TARGETS[self.target][0], "widths",
                  f"a list starting with {TARGETS[self.target][0]} (the inputs of target {self.target!r})")
         need(self.grids and all(isinstance(g, int) and g >= 1 for g in self.grids), "grids", "ints >= 1")
+        object.__setattr__(self, "grid_update_at", tuple(self.grid_update_at))
+        object.__setattr__(self, "input_overhang_grids", tuple(self.input_overhang_grids))
+        need(all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in self.grid_update_at)
+             and list(self.grid_update_at) == sorted(set(self.grid_update_at)), "grid_update_at",
+             "increasing ints >= 0 (steps into each grid)")
+        if self.grid_update_at and self.grid_update_every:
+            raise ConfigError(f"KAN fit: 'grid_update_at' = {list(self.grid_update_at)} and 'grid_update_every' = "
+                              f"{self.grid_update_every} both schedule grid updates; keep one: grid_update_every = 0, "
+                              f"or grid_update_at = [] (pykan's every-N-steps schedule)")
+        need(all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in self.input_overhang_grids),
+             "input_overhang_grids", "grid sizes (ints >= 1)")
         need(len(self.grids) == 1 or self.refine_every >= 1, "refine_every", ">= 1 when several grids are given")
         need(self.backend in BACKENDS, "backend", f"one of {BACKENDS}")
         need(self.precision in PRECISIONS, "precision", f"one of {PRECISIONS}")
@@ -112,12 +128,18 @@ class KANFit:
         return tuple(i * self.refine_every for i in range(1, len(self.grids)))
 
     def grid_update_steps(self, total: int) -> tuple[int, ...]:
-        if not self.grid_update_every:
-            return ()
         starts = (0, *self.refine_steps)
         ends = (*self.refine_steps, total)
+        if self.grid_update_at:
+            return tuple(s + u for s, e in zip(starts, ends) for u in self.grid_update_at if u < e - s)
+        if not self.grid_update_every:
+            return ()
         return tuple(s + u for s, e in zip(starts, ends)
                      for u in range(0, min(e - s, self.stop_grid_update_step), self.grid_update_every))
+
+    def input_overhang_at(self, step: int) -> int:
+        """The input layer's overhang (knot intervals) for grid updates on the grid that step ``step`` trains."""
+        return int(self.grids[sum(step >= r for r in self.refine_steps)] in self.input_overhang_grids)
 
 
 def make_dataset(fit: KANFit):
@@ -206,7 +228,7 @@ def make_task(fit: KANFit, total_steps: int, dataset: dict | None = None) -> Tas
         if step in refine_at:
             params = _refine(params, refine_at[step], xtr)
         if step in updates:
-            params = _update(params, xtr, grid_eps=fit.grid_eps)
+            params = _update(params, xtr, grid_eps=fit.grid_eps, input_overhang=float(fit.input_overhang_at(step)))
         return params
 
     def evaluate(params):
@@ -249,9 +271,10 @@ def _rmse_per_target(params, x, y):
 # ----------------------------------------------------------------------------------------------------------------
 
 CLI_SCHEMA = {
-    "model": {"widths": ("ints", [2, 1, 1]), "grids": ("ints", [3, 5, 10]), "refine_every": ("int", 800),
-              "spline_order": ("int", 3), "init": ("str", "pykan", INITS), "grid_update_every": ("int", 400),
-              "stop_grid_update_step": ("int", 401), "grid_eps": ("float", 1.0),
+    "model": {"widths": ("ints", [2, 1, 1]), "grids": ("ints", [3, 5, 10]), "refine_every": ("int", 2500),
+              "spline_order": ("int", 3), "init": ("str", "pykan", INITS), "grid_update_every": ("int", 0),
+              "stop_grid_update_step": ("int", 50), "grid_update_at": ("ints", [0, 100, 1500]),
+              "input_overhang_grids": ("ints", [3, 5]), "grid_eps": ("float", 1.0),
               "backend": ("str", "xla", BACKENDS), "precision": ("str", "default", PRECISIONS),
               "dtype": ("str", "float64", ("float32", "float64"))},
     "data": {"target": ("str", "exp_sin_pi_x_plus_y2", tuple(TARGETS)), "n_train": ("int", 1000),
@@ -260,11 +283,12 @@ CLI_SCHEMA = {
              "standardize": ("str", "none", STANDARDIZE), "batch_size": ("int?", None), "seed": ("int", 1)},
 }
 # the family's defaults are configs/kan.toml's fit (another optimizer: set lbfgs_warmup_steps to 0 too)
-CLI_TRAIN_DEFAULTS = {"optimizer": "lbfgs", "steps": 2400, "lbfgs_warmup_steps": 100, "log_every": 10,
-                      "checkpoint_every": 100}
+CLI_TRAIN_DEFAULTS = {"optimizer": "lbfgs", "steps": 7500, "lbfgs_warmup_steps": 100, "log_every": 10,
+                      "checkpoint_every": 500}
 # on --resume these may not change: they define the params' shapes or the data order
 CLI_FIXED = {"model": ("widths", "grids", "refine_every", "spline_order", "init", "grid_update_every",
-                       "stop_grid_update_step", "grid_eps", "dtype"), "data": "*"}
+                       "stop_grid_update_step", "grid_update_at", "input_overhang_grids", "grid_eps", "dtype"),
+             "data": "*"}
 #: ``[data]`` keys of the built-in targets and of a data file: the other source's keys must keep their defaults
 BUILTIN_DATA_KEYS = ("target", "n_train", "n_test")
 FILE_DATA_KEYS = ("inputs", "targets", "test_fraction", "standardize")
@@ -290,6 +314,7 @@ def fit_from_config(cfg: dict) -> KANFit:
     return KANFit(target=None if d["path"] is not None else d["target"], widths=tuple(m["widths"]),
                   grids=tuple(m["grids"]), refine_every=m["refine_every"], spline_order=m["spline_order"],
                   grid_update_every=m["grid_update_every"], stop_grid_update_step=m["stop_grid_update_step"],
+                  grid_update_at=tuple(m["grid_update_at"]), input_overhang_grids=tuple(m["input_overhang_grids"]),
                   backend=m["backend"], precision=m["precision"], dtype=m["dtype"], init=m["init"],
                   grid_eps=m["grid_eps"], n_train=d["n_train"], n_test=d["n_test"], batch_size=d["batch_size"],
                   data_seed=d["seed"])
