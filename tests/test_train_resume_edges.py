@@ -427,3 +427,20 @@ def test_lora_throughput_is_in_tokens(tmp_path, capsys):
     assert next(csv.reader(open(out / CSV_FILE)))[7] == "tokens_per_s"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens_per_s"] > 0 and summary["tokens_this_process"] == 2 * 2 * 32
+
+
+def test_a_kan_run_saved_before_the_grid_schedule_keys_resumes_with_its_own_schedule(tmp_path, capsys):
+    # a run file of a version without model.grid_update_at / input_overhang_grids, which updated its grids every
+    # grid_update_every steps: it resumes (the new defaults would schedule updates twice and move the input knots)
+    out = tmp_path / "run"
+    assert _kan(tmp_path, "--out", str(out)) == 0
+    run = json.loads((out / "run.json").read_text())
+    model = run["config"]["model"]
+    del model["grid_update_at"], model["input_overhang_grids"]
+    model.update(grid_update_every=2, stop_grid_update_step=3)
+    (out / "run.json").write_text(json.dumps(run))
+    capsys.readouterr()
+    assert _kan(tmp_path, "--out", str(out), "--resume", "--set", "train.steps=6") == 0, capsys.readouterr().err
+    saved = _run_config(out)["model"]
+    assert saved["grid_update_at"] == [] and saved["input_overhang_grids"] == []
+    assert saved["grid_update_every"] == 2

@@ -285,6 +285,9 @@ CLI_SCHEMA = {
 # the family's defaults are configs/kan.toml's fit (another optimizer: set lbfgs_warmup_steps to 0 too)
 CLI_TRAIN_DEFAULTS = {"optimizer": "lbfgs", "steps": 7500, "lbfgs_warmup_steps": 100, "log_every": 10,
                       "checkpoint_every": 500}
+# a run saved before these keys existed resumes with the schedule it ran: grid updates every
+# grid_update_every steps only, the input knots spanning the samples
+CLI_KEYS_ADDED = {"model": {"grid_update_at": [], "input_overhang_grids": []}}
 # on --resume these may not change: they define the params' shapes or the data order
 CLI_FIXED = {"model": ("widths", "grids", "refine_every", "spline_order", "init", "grid_update_every",
                        "stop_grid_update_step", "grid_update_at", "input_overhang_grids", "grid_eps", "dtype"),

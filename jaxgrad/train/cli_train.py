@@ -154,6 +154,10 @@ def resolve_for_run(family: str, config: str | None, sets: list[str], out: pathl
         raise rundir.RunDirError(f"{out / rundir.RUN_FILE}: no saved configuration to resume (a 'config' table of "
                                  f"sections), got {old!r}")
     old = {sec: dict(body) for sec, body in old.items()}
+    for sec, added in getattr(fam, "CLI_KEYS_ADDED", {}).items():  # a run saved before these keys existed
+        if sec in old:
+            for key, value in added.items():
+                old[sec].setdefault(key, value)
     t = old.get("train", {})
     if t.get("optimizer") == "lbfgs" and t.get("lr") is not None:  # saved by a version that stored an unused lr
         t["lr"] = None
