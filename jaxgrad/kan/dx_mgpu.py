@@ -135,10 +135,8 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
     def _scope(pipeline_allocs, x_smem, out_smem, tab_smem, shift_smem, f_smem, bars):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * i_iters,), collective_axes="cluster_grid")
-        def _loop(info):
-            (lin,) = info.index
-            m_idx, i_idx = plgpu.planar_snake(lin, (m_iters, i_iters), 1, 8)
+        @mgpu_common.persistent_tiles((m_iters, i_iters), 8)
+        def _tile(m_idx, i_idx):
             cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
             rows = pl.ds(m_idx * cta_m + wg * _ROWS, _ROWS)
             cols = pl.ds(i_idx * bk, bk)

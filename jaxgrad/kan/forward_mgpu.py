@@ -218,10 +218,8 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
     def _scope(pipeline_allocs, out_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-        def _mn_loop(info):
-            (lin,) = info.index
-            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.grid_tile_width)
+        @mgpu_common.persistent_tiles((m_iters, n_iters), cfg.grid_tile_width)
+        def _tile(m_idx, n_idx):
             cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
             wg_m_slice = pl.ds(wg * _ROWS, _ROWS)
 

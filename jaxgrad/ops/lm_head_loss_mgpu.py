@@ -108,10 +108,8 @@ def _kernel(h_gmem, w_gmem, p_gmem, m_gmem, s_gmem, *, cfg: TileConfig, vocab: i
     def _scope(pipeline_allocs, p_smem, m_smem, s_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-        def _mn_loop(info):
-            (lin,) = info.index
-            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 1, cfg.grid_tile_width)
+        @mgpu_common.persistent_tiles((m_iters, n_iters), cfg.grid_tile_width)
+        def _tile(m_idx, n_idx):
             cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
             n_slice = pl.ds(n_idx * tile_n, tile_n)
             wg_m_slice = pl.ds(wg * tile_m, tile_m)

@@ -1,7 +1,7 @@
 """What the Mosaic GPU kernels (:mod:`jaxgrad.ops.lora_linear_mgpu`, :mod:`jaxgrad.ops.lm_head_loss_mgpu`, the KAN
 layer's :mod:`jaxgrad.kan.forward_mgpu` and :mod:`jaxgrad.kan.dx_mgpu`) share: the shared-memory layout of a
 ``wgmma`` / TMA tile, the warp-specialised K loop, the epilogue's tiled store, zero padding to whole tiles, and the
-persistent grid's size."""
+persistent grid: its size and its walk over the output tiles."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "smem_spec", "smem_transforms", "store_tile",
-           "warp_specialized"]
+__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "persistent_tiles", "smem_spec", "smem_transforms",
+           "store_tile", "warp_specialized"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,21 @@ def num_sms() -> int:
     from jax.extend import backend
 
     return backend.get_default_device().core_count
+
+
+def persistent_tiles(tiles: tuple[int, int], grid_tile_width: int):
+    """Decorator: run ``body(m_idx, n_idx)`` for every tile of a ``tiles = (m_tiles, n_tiles)`` output, the CTAs of
+    the persistent grid (axis ``"cluster_grid"``) taking the tiles in turn along a planar snake ``grid_tile_width``
+    wide (L2 reuse of both operands)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def run(body):
+        @plgpu.nd_loop((tiles[0] * tiles[1],), collective_axes="cluster_grid")
+        def _loop(info):
+            (lin,) = info.index
+            body(*plgpu.planar_snake(lin, tiles, 1, grid_tile_width))
+        return body
+    return run
 
 
 def smem_spec(shape, index, transforms=()):
