@@ -41,3 +41,12 @@ def x64_as_it_was():
     before = jax.config.jax_enable_x64
     yield
     jax.config.update("jax_enable_x64", before)
+
+
+@pytest.fixture(scope="module")
+def x64():
+    """float64 for a whole module's tests (the float64 fits), restored after the module."""
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", old)

@@ -24,14 +24,6 @@ SHIPPED = tomllib.loads((ROOT / "configs" / "kan.toml").read_text())
 PYKAN_G3, PYKAN_G10 = 1.53e-2, 3.29e-4
 
 
-@pytest.fixture(scope="module")
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # init
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """The floor computation of jaxgrad.kan.fit_floor on cases whose answer is known: a target every edge represents
 exactly (floor 0), and an additive target whose floor is one edge's least-squares residual."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,14 +8,6 @@ import pytest
 from jaxgrad.kan.fit_floor import Placement, joint_fit, linearised_floor, start_network
 from jaxgrad.kan.grid import grid_from_samples
 from jaxgrad.kan.network import kan_apply_reference
-
-
-@pytest.fixture(scope="module")
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
 
 
 def _data(f, n=200, seed=0):

@@ -33,14 +33,6 @@ fit(make_task(KANFit(**fit_kw), cfg_kw["steps"]), TrainConfig(**cfg_kw), out, st
 """
 
 
-@pytest.fixture(scope="module")
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
-
-
 def _latest_state(out, task, cfg):
     _, steps = build(task, cfg)
     ck = Checkpointer(out / "checkpoints", cfg.keep, create=False)
