@@ -5,10 +5,11 @@ of the reference and, on a GPU with torch, PyTorch autograd of efficient-kan's `
 At the default precision with float32 arrays the XLA custom VJP is also timed with ``precision="fp16_scaled"``
 (row ``xla custom_vjp fp16_scaled``: float16 operands scaled by powers of two, float32 sums,
 :mod:`jaxgrad.kan.fp16_scaled`), beside the TF32 rows of the same layer. On a Hopper GPU the layer is also timed on
-``backend="mosaic"`` (the forward in the Mosaic kernel of :mod:`jaxgrad.kan.forward_mgpu`, the backward on the XLA
-custom VJP's scaled products), and the forward alone (rows sized ``part=forward``: FLOPs a third of the layer's)
-on the Mosaic kernel against XLA's (and the kernel with 256-output tiles: each basis tile computed once per 256
-outputs instead of 128).
+``backend="mosaic"`` (the forward and the input gradient in the Mosaic kernels of :mod:`jaxgrad.kan.forward_mgpu`
+and :mod:`jaxgrad.kan.dx_mgpu`, the weight gradients on the XLA custom VJP's scaled products); the forward alone
+(rows sized ``part=forward``: FLOPs a third of the layer's) on the Mosaic kernel against XLA's (and the kernel with
+256-output tiles: each basis tile computed once per 256 outputs instead of 128), and the input gradient alone
+(``part=dx``) on the Mosaic kernel against XLA's scaled products.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def _kan_variants(precision_name: str, dtype=jnp.float32) -> dict[str, Callable]
     if precision_name != "highest" and jnp.dtype(dtype) == jnp.float32:  # fp16_scaled takes float32 arrays only
         scaled["xla custom_vjp fp16_scaled"] = fwd_bwd(trainable(
             lambda p, x: kan_linear(p, x, backend="xla", precision="fp16_scaled")))
-    if precision_name != "highest" and _on_hopper():  # the same scaled products, forward in the Mosaic kernel
-        scaled["mosaic fwd + xla fp16_scaled bwd"] = fwd_bwd(trainable(
+    if precision_name != "highest" and _on_hopper():  # the same scaled products; forward and dx in Mosaic kernels
+        scaled["mosaic fwd+dx, xla fp16_scaled dC"] = fwd_bwd(trainable(
             lambda p, x: kan_linear(p, x, backend="mosaic")))
     if precision_name == "highest":  # f32-accurate on tensor cores: three TF32 products (split hi/lo operands)
         x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
@@ -121,6 +122,22 @@ def _forward_variants(dtype, nb: int, k: int) -> dict[str, Callable]:
     return out
 
 
+def _dx_variants() -> dict[str, Callable]:
+    """The input gradient alone, ``dx = (g W^b) * silu'(x) + sum_m (g C)[.., m] B'_m(x)``, on the scaled float16
+    products: the Mosaic kernel against the XLA custom VJP's."""
+    from jaxgrad.kan.layer import _backward_math
+
+    def dx(backend):
+        def f(p, x, g):
+            k = p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
+            p32 = {n: v.astype(jnp.float32) for n, v in p.items()}
+            return _backward_math(p32, x.astype(jnp.float32), g.astype(jnp.float32), k, backend,
+                                  "fp16_scaled", False)[1]
+        return jax.jit(f)
+
+    return {"mosaic dx": dx("mosaic"), "xla dx fp16_scaled": dx("xla")}
+
+
 def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
     """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x)."""
     from jaxgrad.kan.layer import KANConfig, init
@@ -147,6 +164,11 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
                                         sizes=dict(cfg, part="forward"), flops=flops / 3, bytes_moved=bytes_moved / 2,
                                         precision=precision, floor_precision="tf32", warmup=warmup,
                                         repeats=repeats)
+                if dtype == jnp.float32:
+                    g = jax.random.normal(jax.random.key(2), (cfg["batch"], cfg["features"]), jnp.float32)
+                    rows += bm.run_variants("kan", _dx_variants(), (params, x, g), sizes=dict(cfg, part="dx"),
+                                            flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
+                                            floor_precision="tf32", warmup=warmup, repeats=repeats)
             if sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3:
                 row = peers.efficient_kan(cfg, "bf16" if dtype == jnp.bfloat16 else "f32",
                                           tf32=precision != "highest", repeats=repeats, warmup=warmup,
