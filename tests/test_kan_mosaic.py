@@ -223,6 +223,36 @@ def test_the_dx_kernel_lowers_for_hopper_at_any_grid_order_and_odd_size(monkeypa
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("grid_size,order", [(3, 1), (5, 3), (5, 5), (20, 1), (20, 3), (3, 5), (50, 3)])
+@pytest.mark.parametrize("bk", [16, 32])
+def test_knot_table_blocks_are_whole_kib_so_every_later_shared_memory_buffer_stays_aligned(grid_size, order, bk):
+    # shared-memory buffers sit one after another: a table of any other size moves the next TMA destination or
+    # swizzled wgmma operand off its alignment (a misaligned-address fault on the device, at G 20 k 1 and G 5 k 5)
+    n_rows = grid_size + 2 * order + 1
+    first, second = F.knot_block_rows(n_rows, order, bk)
+    assert (first * bk * 4) % 1024 == 0 and (second * bk * 4) % 1024 == 0
+    assert (order + 1) * n_rows <= first <= 256 and order * n_rows <= second <= 256
+    in_pad = 2 * bk
+    grid = jnp.sort(jax.random.uniform(jax.random.key(grid_size), (in_pad, n_rows), minval=-2, maxval=2), axis=1)
+    tab, split = F.knot_table_blocks(grid, order, n_rows, in_pad, bk)
+    plain = np.asarray(F.affine_knot_tables(grid, jnp.float32, order, n_rows, in_pad))
+    tab = np.asarray(tab)
+    assert split == first and tab.shape == (first + second, in_pad)
+    head = (order + 1) * n_rows
+    np.testing.assert_array_equal(tab[:head], plain[:head])  # the rows the kernels index are the table's own
+    np.testing.assert_array_equal(tab[split:split + order * n_rows], plain[head:])
+    assert not tab[head:split].any() and not tab[split + order * n_rows:].any()
+
+
+@pytest.mark.parametrize("rows,row_bytes,expected", [(1, 128, 8), (8, 128, 8), (9, 128, 16), (11, 64, 16),
+                                                     (23, 64, 32), (5, 1024, 5), (3, 4096, 3), (7, 96, 32)])
+def test_whole_kib_rows_rounds_a_table_up_to_whole_kib(rows, row_bytes, expected):
+    from jaxgrad.ops.mgpu_common import whole_kib_rows
+
+    assert whole_kib_rows(rows, row_bytes) == expected
+    assert (expected * row_bytes) % 1024 == 0
+
+
 def test_tiles_fit_shared_memory_for_every_grid_the_benchmarks_use():
     for nb, k in ((8, 3), (23, 3), (10, 5), (4, 1), (53, 3), (105, 5)):
         t = F.ForwardTiles.for_layer(nb, k)

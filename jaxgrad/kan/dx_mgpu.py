@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgrad.kan import fp16_scaled
-from jaxgrad.kan.basis_tiles import KnotTable, affine_knot_tables, affine_sweep, pad_to
+from jaxgrad.kan.basis_tiles import KnotTable, affine_sweep, pad_to
 from jaxgrad.kan.spline import bspline_basis_derivative
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
@@ -97,8 +97,10 @@ def kan_dx_scaled_reference(x, grid, coef, base_weight, g, spline_order: int):
 
 
 def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles, m_lo: int, m_hi: int, nb: int,
-            k: int, n_rows: int):
-    """``sum_{m_lo <= m < m_hi} 2^{-t_mi} D_m(x) acc_m`` for the padded arrays (module doc)."""
+            k: int, n_rows: int, split: int):
+    """``sum_{m_lo <= m < m_hi} 2^{-t_mi} D_m(x) acc_m`` for the padded arrays (module doc); the knot table's
+    blocks split at row ``split`` (:func:`jaxgrad.kan.forward_mgpu.knot_table_blocks`), the column factors ``f``
+    padded with zero rows to whole KiB."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -108,8 +110,8 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
     cnt = m_hi - m_lo
     cta_m = 2 * _ROWS
     m_iters, i_iters, o_iters = m_rows // cta_m, n_in // bk, n_out // tile_o
-    split = (k + 1) * n_rows  # knots and reciprocal widths; then the affine form's shifts
     rows_shift = tab_gmem.shape[0] - split
+    f_rows = f_gmem.shape[0]
 
     spec = mgpu_common.smem_spec
     pipeline = mgpu_common.warp_specialized([
@@ -122,13 +124,13 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=pipeline(ignore, ignore).get_allocations(g_gmem, u_gmem.at[:cnt]),
-        # the swizzled buffers first (whole KiB each, so each starts at the alignment its swizzle needs); the
-        # tables, whose sizes follow the grid and the group, after them
+        # every buffer whole KiB (mgpu_common.whole_kib_rows), so each starts at the alignment TMA and its swizzle
+        # need
         x_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
         out_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
         tab_smem=plgpu.SMEM((2, split, bk), jnp.float32),
         shift_smem=plgpu.SMEM((2, rows_shift, bk), jnp.float32),
-        f_smem=plgpu.SMEM((2, cnt, bk), jnp.float32),
+        f_smem=plgpu.SMEM((2, f_rows, bk), jnp.float32),
         bars=plgpu.Barrier(num_barriers=8),
         collective_axes="wg",
     )
@@ -200,12 +202,12 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "m_lo", "m_hi", "nb", "k", "n_rows", "num_sms"))
-def _call(g16, u16, x, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, num_sms):
+@functools.partial(jax.jit, static_argnames=("config", "m_lo", "m_hi", "nb", "k", "n_rows", "split", "num_sms"))
+def _call(g16, u16, x, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, split, num_sms):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     fn = plgpu.kernel(
-        functools.partial(_kernel, cfg=config, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows),
+        functools.partial(_kernel, cfg=config, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows, split=split),
         out_type=jax.ShapeDtypeStruct(x.shape, jnp.float32),
         grid=(num_sms,),
         grid_names=("cluster_grid",),
@@ -227,7 +229,7 @@ def kan_dx_mgpu(x, grid, coef, base_weight, g, spline_order: int, config: DxTile
     for name, a in (("x", x), ("grid", grid), ("coef", coef), ("base_weight", base_weight), ("g", g)):
         if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
             raise ValueError(f"kan_dx_mgpu: '{name}' must be float32, got {a.dtype}")
-    from jaxgrad.kan.forward_mgpu import knot_table_limit
+    from jaxgrad.kan.forward_mgpu import knot_table_blocks, knot_table_limit
 
     why = knot_table_limit(grid, coef)
     if why is not None:
@@ -244,15 +246,16 @@ def kan_dx_mgpu(x, grid, coef, base_weight, g, spline_order: int, config: DxTile
     g16 = pad_to((g * fp16_scaled.pow2(s, g.dtype)[:, None]).astype(jnp.float16), (m_pad, out_pad))
     u16 = pad_to((u * fp16_scaled.pow2(t, u.dtype)[:, None, :]).astype(jnp.float16), (nb + 1, out_pad, in_pad))
     f = pad_to(fp16_scaled.pow2(-t, jnp.float32), (nb + 1, in_pad))
-    tab = affine_knot_tables(grid, jnp.float32, k, n_rows, in_pad)
+    tab, split = knot_table_blocks(grid, k, n_rows, in_pad, c.bk)
     xp = pad_to(x, (m_pad, in_pad))
     total = None
     for m_lo in range(0, nb + 1, c.max_group):
         m_hi = min(nb + 1, m_lo + c.max_group)
         # [input tiles * group, bk, out]: a CTA's slabs are one block of rows, each transposed (out minor)
         slabs = u16[m_lo:m_hi].reshape(m_hi - m_lo, out_pad, in_pad // c.bk, c.bk).transpose(2, 0, 3, 1)
-        part = _call(g16, slabs.reshape(-1, c.bk, out_pad), xp, tab, f[m_lo:m_hi], config=c, m_lo=m_lo, m_hi=m_hi,
-                     nb=nb, k=k, n_rows=n_rows, num_sms=int(num_sms or _num_sms()))
+        f_group = pad_to(f[m_lo:m_hi], (mgpu_common.whole_kib_rows(m_hi - m_lo, 4 * c.bk), in_pad))
+        part = _call(g16, slabs.reshape(-1, c.bk, out_pad), xp, tab, f_group, config=c, m_lo=m_lo, m_hi=m_hi,
+                     nb=nb, k=k, n_rows=n_rows, split=split, num_sms=int(num_sms or _num_sms()))
         total = part if total is None else total + part
     return fp16_scaled.unscale(total[:b, :in_f], -s[:, None])
 

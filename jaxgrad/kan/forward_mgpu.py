@@ -49,8 +49,8 @@ from jaxgrad.kan.spline import bspline_basis
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["ForwardTiles", "kan_forward", "kan_forward_mgpu", "kan_forward_scaled_reference", "knot_table_limit",
-           "on_hopper", "require_hopper", "scaled_operands", "supported"]
+__all__ = ["ForwardTiles", "kan_forward", "kan_forward_mgpu", "kan_forward_scaled_reference", "knot_block_rows",
+           "knot_table_blocks", "knot_table_limit", "on_hopper", "require_hopper", "scaled_operands", "supported"]
 
 _ROWS = 64  # rows of x per compute warpgroup: the wgmma M
 _SMEM_BYTES = 227 * 1024
@@ -70,7 +70,7 @@ class ForwardTiles:
 
     def smem_bytes(self, nb: int, k: int) -> int:
         """Shared memory of one CTA: the stages (``x``, knot tables, ``NB + 1`` slabs) and the epilogue slots."""
-        rows = (2 * k + 1) * (nb + k + 1)
+        rows = sum(knot_block_rows(nb + k + 1, k, self.bk))
         stage = 2 * _ROWS * self.bk * 4 + rows * self.bk * 4 + (nb + 1) * self.bk * self.tile_n * 2 + 2 * _ROWS * 4
         return self.stages * stage + 2 * 2 * self.epi_tile_m * self.epi_tile_n * 4
 
@@ -110,6 +110,24 @@ def knot_table_limit(grid, coef) -> str | None:
         return None
     return (f"'grid' has {n_knots} knots a row at order {k}: the kernel's knot table would exceed 256 rows "
             f"(grid_size <= {256 // (k + 1) - 2 * k - 1} at this order)")
+
+
+def knot_block_rows(n_rows: int, k: int, bk: int) -> tuple[int, int]:
+    """Rows of the knot table's two blocks in shared memory (:func:`knot_table_blocks`): ``(k + 1) n_rows`` knots
+    and reciprocal widths, ``k n_rows`` affine shifts, each padded to whole KiB of ``bk`` float32 columns
+    (:func:`jaxgrad.ops.mgpu_common.whole_kib_rows`)."""
+    row_bytes = 4 * bk
+    return (mgpu_common.whole_kib_rows((k + 1) * n_rows, row_bytes),
+            mgpu_common.whole_kib_rows(k * n_rows, row_bytes))
+
+
+def knot_table_blocks(grid, k: int, n_rows: int, in_pad: int, bk: int):
+    """:func:`jaxgrad.kan.basis_tiles.affine_knot_tables` as the kernels copy it: the knots and reciprocal widths,
+    zero rows, the affine shifts, zero rows (:func:`knot_block_rows`); ``(table, rows of the first block)``."""
+    tab = affine_knot_tables(grid, jnp.float32, k, n_rows, in_pad)
+    split = (k + 1) * n_rows
+    first, second = knot_block_rows(n_rows, k, bk)
+    return jnp.concatenate([pad_to(tab[:split], (first, in_pad)), pad_to(tab[split:], (second, in_pad))]), first
 
 
 def _silu(x):
@@ -179,10 +197,10 @@ def _slab_transforms(bk: int):
     return (plgpu.TilingTransform((8, bk)), plgpu.SwizzleTransform(2 * bk))
 
 
-def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, nb: int, k: int, n_rows: int):
-    # the knot table travels as two blocks (a copy moves at most 256 rows): knots and reciprocal widths, then the
-    # affine form's shifts
-    """``acc [M, N]`` (fp32) of the scaled operands for the padded arrays (module doc)."""
+def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, nb: int, k: int, n_rows: int,
+            split: int):
+    """``acc [M, N]`` (fp32) of the scaled operands for the padded arrays (module doc). The knot table travels as
+    two blocks (a copy moves at most 256 rows), split at row ``split`` (:func:`knot_table_blocks`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -192,7 +210,6 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     cta_m = 2 * _ROWS
     m_iters, n_iters, k_iters = m // cta_m, n // tile_n, n_in // bk
-    split = (k + 1) * n_rows
     rows_shift = tab_gmem.shape[0] - split
 
     spec = mgpu_common.smem_spec
@@ -256,13 +273,13 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "nb", "k", "n_rows", "num_sms"))
-def _call(x, tab, v, rs, *, config, nb, k, n_rows, num_sms):
+@functools.partial(jax.jit, static_argnames=("config", "nb", "k", "n_rows", "split", "num_sms"))
+def _call(x, tab, v, rs, *, config, nb, k, n_rows, split, num_sms):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     m, n = x.shape[0], v.shape[0] // (nb + 1) * v.shape[-1]
     f = plgpu.kernel(
-        functools.partial(_kernel, cfg=config, nb=nb, k=k, n_rows=n_rows),
+        functools.partial(_kernel, cfg=config, nb=nb, k=k, n_rows=n_rows, split=split),
         out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
         grid=(num_sms,),
         grid_names=("cluster_grid",),
@@ -298,7 +315,7 @@ def kan_forward_mgpu(x, grid, coef, base_weight, spline_order: int, config: Forw
     in_pad = -(-in_f // c.bk) * c.bk
     out_pad = -(-out_f // c.tile_n) * c.tile_n
     n_rows = nb + k + 1
-    tab = affine_knot_tables(grid, jnp.float32, k, n_rows, in_pad)  # [(2k+1) n_rows, in_pad]
+    tab, split = knot_table_blocks(grid, k, n_rows, in_pad, c.bk)
     v16 = (v * fp16_scaled.pow2(t, v.dtype)[None, None, :]).astype(jnp.float16)
     v16 = pad_to(v16, (nb + 1, in_pad, out_pad))
     # [out tiles * (NB+1), in, tile_n]: a CTA's NB+1 slabs are one block of rows (a copy of at most 5 strided
@@ -307,6 +324,6 @@ def kan_forward_mgpu(x, grid, coef, base_weight, spline_order: int, config: Forw
     v16 = v16.reshape(-1, in_pad, c.tile_n)
     # [in blocks, B]: the row scales repeated for each pipeline step (its inputs must all move with the step)
     rs = jnp.broadcast_to(pad_to(fp16_scaled.pow2(s, jnp.float32), (m_pad,)), (in_pad // c.bk, m_pad))
-    acc = _call(pad_to(x, (m_pad, in_pad)), tab, v16, rs, config=c, nb=nb, k=k, n_rows=n_rows,
+    acc = _call(pad_to(x, (m_pad, in_pad)), tab, v16, rs, config=c, nb=nb, k=k, n_rows=n_rows, split=split,
                 num_sms=int(num_sms or _num_sms()))
     return fp16_scaled.unscale(acc[:b, :out_f], -(s[:, None] + t[None, :]))

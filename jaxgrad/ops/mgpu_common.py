@@ -6,11 +6,14 @@ persistent grid: its size and its walk over the output tiles."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
 __all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "persistent_tiles", "smem_spec", "smem_transforms",
-           "store_tile", "warp_specialized"]
+           "store_tile", "warp_specialized", "whole_kib_rows"]
+
+SMEM_ALIGN = 1024  # bytes: a 128-byte swizzle's atom (8 rows x 128 B); TMA needs at least 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,17 @@ def smem_transforms(minor: int, dtype):
     size = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(minor * size * 8)
     return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
+
+
+def whole_kib_rows(rows: int, row_bytes: int) -> int:
+    """``rows`` rounded up so that ``rows x row_bytes`` is a whole number of :data:`SMEM_ALIGN` bytes.
+
+    Shared-memory buffers are laid out one after the other (and a pipeline's stages of one block side by side), so a
+    buffer of any other size moves every later one off the alignment that TMA (128 B) and a swizzled ``wgmma``
+    operand (the swizzle's atom, up to 1 KiB) need: the device reports a misaligned address. Tables whose row count
+    follows the grid or the order are padded with zero rows to this many."""
+    unit = SMEM_ALIGN // math.gcd(SMEM_ALIGN, row_bytes)
+    return -(-rows // unit) * unit
 
 
 def pad_to_multiple(t, multiples):
