@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh tests ops                    #   group fits the budget on an H100): lora, ops,
 #   bash scripts/gpu_check.sh tests kan cnn                #   kan, cnn, audit; or test files by path
 #   bash scripts/gpu_check.sh tests tests/test_attention_masks.py tests/test_verify_program_precision.py
+#   bash scripts/gpu_check.sh tests-isolated tests/test_kan_mosaic.py   # each case in its own process (a device
+#                                                          #   fault ends that case only)
 #   bash scripts/gpu_check.sh verify                       # the cost of a verdict (block backends xla, mosaic)
 #   bash scripts/gpu_check.sh false-alarms                 # the verifier's mixed-precision false-alarm sweep
 #   bash scripts/gpu_check.sh audit [--op NAME ...]        # `jaxgrad audit` on the GPU (all cases, or those named)
@@ -29,7 +31,8 @@ DIRTY=${JAXGRAD_DIRTY:-$( [ -n "$(git status --porcelain --untracked-files=no 2>
 export JAXGRAD_COMMIT=$COMMIT JAXGRAD_DIRTY=$DIRTY
 
 header() {  # $1: the command line the log is for
-  echo "# device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo none);" \
+  local gpu; gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  echo "# device: ${gpu:-none} x $(nvidia-smi -L 2>/dev/null | grep -c '^GPU');" \
        "$($PY -c 'import jax, sys; print("jax", jax.__version__, "python", sys.version.split()[0])')"
   echo "# commit $COMMIT (uncommitted changes: $DIRTY); date $(date -u +%Y-%m-%dT%H:%M:%SZ); command:" \
        "${PYTEST_ADDOPTS:+PYTEST_ADDOPTS='$PYTEST_ADDOPTS' }$1"
@@ -60,6 +63,19 @@ case "$stage" in
       name=$(basename "$group" .py)
       run_logged "gpu-tests-$name" "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=10 "${files[@]}"
     done ;;
+  tests-isolated)  # each `gpu` test of the files in its own process: a device fault ends one case, not the file
+    [ $# -gt 0 ] || { echo "gpu_check.sh tests-isolated: name test files" >&2; exit 2; }
+    for file in "$@"; do
+      log="$DIR/gpu-tests-isolated-$(basename "$file" .py).log"
+      { header "each gpu test of $file in its own process: $PY -m pytest -m gpu -q --tb=short NODE"
+        for node in $("$PY" -m pytest -m gpu -q --collect-only -p no:cacheprovider "$file" 2>/dev/null | grep '::'); do
+          out=$(timeout "$BUDGET" "$PY" -m pytest -m gpu -q --tb=short -p no:cacheprovider "$node" 2>&1)
+          echo "$node: exit status $?"
+          echo "$out" | grep -E '^E |passed|failed|skipped|Fatal Python error' | head -n 5 | sed 's/^/    /'
+        done
+        echo "# done after $SECONDS s"; } > "$log" 2>&1
+      tail -n 3 "$log"
+    done ;;
   verify)
     for backend in xla mosaic; do
       run_logged "verify-cost-$backend" "$PY" -m jaxgrad.bench verify_cost --backend "$backend" --repeats 2 \
@@ -76,7 +92,7 @@ case "$stage" in
       run_logged "bench-$suite" "$PY" -m jaxgrad.bench "$suite" --out "$DIR"
     done ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests GROUPS|FILES... | verify | false-alarms | audit | bench [SUITES...]" >&2
+    echo "usage: bash scripts/gpu_check.sh tests GROUPS|FILES... | tests-isolated FILES... | verify | false-alarms | audit | bench [SUITES...]" >&2
     exit 2 ;;
 esac
 echo "wrote $DIR"
