@@ -153,6 +153,20 @@ def test_collective_time_and_exposed_time_from_intervals():
     assert sp.kind_of("all-reduce.1", "") == "all_reduce" and sp.kind_of("fusion.2", "gemm") == "compute"
 
 
+def test_fsdp_kept_splits_the_base_and_gathers_less_than_fsdp(tmp_path):
+    proc, result = _run(tmp_path, "--same-process", "--workloads", "8b", "--devices", "1,4", "--layouts",
+                        "fsdp,fsdp-kept")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(result)
+    assert set(rows) == {("llama-8b-qlora", 1, "data"), ("llama-8b-qlora", 4, "fsdp"),
+                         ("llama-8b-qlora", 4, "fsdp-kept")}
+    kept, fsdp = rows["llama-8b-qlora", 4, "fsdp-kept"], rows["llama-8b-qlora", 4, "fsdp"]
+    assert kept["status"] == "measured" and 1 / 4 <= kept["base_bytes_ratio"] <= sc.BASE_BYTES_SLACK / 4
+    assert "gathered weights kept for the backward" in json.dumps(kept)
+    assert "gathered weights kept" not in json.dumps(fsdp)
+    assert kept["losses"][0] == pytest.approx(fsdp["losses"][0], rel=1e-5)  # the same step
+
+
 def test_bad_options_are_refused_by_name(tmp_path):
     for args, word in ((["--layouts", "tp"], "--layouts"), (["--workloads", "gpt"], "--workloads"),
                        (["--devices", "0"], "--devices"), (["--workloads", "8b", "--layers", "4"], "--layers")):

@@ -1,11 +1,12 @@
 """The LoRA / QLoRA model sharded over a mesh of 8 (fake CPU) devices trains as on one device.
 
 For every layout -- ``data`` 8, ``fsdp`` 8, ``data`` 2 x ``fsdp`` 4, ``fsdp`` 8 with the adapters and Adam's state
-sharded too, and QLoRA (NF4 bytes sharded) under ``fsdp`` 8 and ``data`` 2 x ``fsdp`` 4 -- the loss, every LoRA
+sharded too, and QLoRA (NF4 bytes sharded) under ``fsdp`` 8 and ``data`` 2 x ``fsdp`` 4, and ``fsdp`` 8 keeping the
+gathered weights for the backward (``reshard_after_forward`` false) for both -- the loss, every LoRA
 gradient and the parameters after one Adam step equal the single-device run's (float64, 1e-12 relative: only the
 order of the cross-device sums differs). The frozen base lies 1/F per device, and the compiled step all-gathers
 each layer's weights twice (for its forward, which the backward's recompute shares, and again for its backward's
-dY W: no layer's whole weights are kept from the forward); XLA's memory analysis of a 4-layer step shows the base's
+dY W: no layer's whole weights are kept from the forward; once when they are kept); XLA's memory analysis of a 4-layer step shows the base's
 1/8 as arguments, about one layer's whole weights added to the temporaries (the next layer's gather may overlap
 the current one) and the same FLOPs per device as the data layout (measured: arguments 15.9 -> 2.3 MiB,
 temporaries 9.0 -> 12.7 MiB with layers of 3.75 MiB; FLOPs equal to 1e-4). Bad layouts are refused with the key
@@ -47,9 +48,10 @@ def fit_of(mode):
 
 cfg = TrainConfig(steps=1, optimizer="adam", lr=1e-3, seed=3)
 report = {}
-for mode, layouts in (("lora", (("data", None, False), ("fsdp", None, False), ("data,fsdp", 4, False),
-                                ("fsdp", None, True))),
-                      ("qlora", (("fsdp", None, False), ("data,fsdp", 4, False)))):
+for mode, layouts in (("lora", (("data", None, False, True), ("fsdp", None, False, True),
+                                ("data,fsdp", 4, False, True), ("fsdp", None, True, True), ("fsdp", None, False, False))),
+                      ("qlora", (("fsdp", None, False, True), ("data,fsdp", 4, False, True),
+                                 ("fsdp", None, False, False)))):
     fit = fit_of(mode)
     task = make_task(fit, device=("cpu", None))
     batch = next(iter(task.batches(0)))
@@ -57,9 +59,10 @@ for mode, layouts in (("lora", (("data", None, False), ("fsdp", None, False), ("
     state = init_state(task, cfg, steps, mesh)
     s1, n1, g1 = steps.grad_sums(state["params"], shard_batch(batch, mesh))
     one, _, _ = steps.train_step(state, shard_batch(batch, mesh))
-    for layout, f, shard_trainable in layouts:
+    for layout, f, shard_trainable, reshard in layouts:
         mesh = train_mesh(layout, 8, f)
-        stask, plan = make_sharded_task(fit, mesh, device=("cpu", None), shard_trainable=shard_trainable)
+        stask, plan = make_sharded_task(fit, mesh, device=("cpu", None), shard_trainable=shard_trainable,
+                                        reshard_after_forward=reshard)
         _, steps = build(stask, cfg, mesh=mesh, plan=plan)
         state = init_state(stask, cfg, steps, mesh)
         sharded = shard_batch(batch, mesh)
@@ -70,7 +73,7 @@ for mode, layouts in (("lora", (("data", None, False), ("fsdp", None, False), ("
         new, _, ok = steps.train_step(state, sharded)
         emb = new["params"]["base"]["embed_tokens"]["weight"]
         lora_a = new["params"]["lora"]["layers"][0]["self_attn"]["q_proj"]["lora_A"]
-        report[f"{mode} {layout} {f} {shard_trainable}"] = {
+        report[f"{mode} {layout} {f} {shard_trainable} {reshard}"] = {
             "n": [float(n1), float(n)], "loss": rel(s, s1),
             "grad": max(rel(a, b) for a, b in zip(lora_leaves(g), lora_leaves(g1))),
             "grad_nonzero": all(float(np.max(np.abs(np.asarray(a)))) > 0 for a in lora_leaves(g1)),
@@ -79,15 +82,15 @@ for mode, layouts in (("lora", (("data", None, False), ("fsdp", None, False), ("
             "embed_rows_per_device": emb.sharding.shard_shape(emb.shape)[0], "embed_rows": emb.shape[0],
             "lora_a_replicated": bool(lora_a.sharding.is_fully_replicated),
             "all_gathers": sum(1 for ln in hlo.splitlines() if " all-gather(" in ln or " all-gather-start(" in ln),
-            "describe": plan.describe}
+            "describe": plan.describe, "shard_trainable": shard_trainable, "reshard": reshard}
 # compiled memory per device of the gradient step, a 4-layer model: the base's 1/8 as arguments, and no more than
 # about one layer's whole weights gathered at a time among the temporaries
 big = LoraFit(mode="lora", hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=1024, seq_len=64, batch_size=8, n_bytes=1 << 15, dtype="float32")
 memory = {}
-for layout in ("data", "fsdp"):
+for name, layout, reshard in (("data", "data", True), ("fsdp", "fsdp", True), ("fsdp kept", "fsdp", False)):
     mesh = train_mesh(layout, 8)
-    stask, plan = make_sharded_task(big, mesh, device=("cpu", None))
+    stask, plan = make_sharded_task(big, mesh, device=("cpu", None), reshard_after_forward=reshard)
     _, steps = build(stask, cfg, mesh=mesh, plan=plan)
     state = init_state(stask, cfg, steps, mesh)
     compiled = steps.grad_sums.lower(state["params"], shard_batch(next(iter(stask.batches(0))), mesh)).compile()
@@ -96,7 +99,7 @@ for layout in ("data", "fsdp"):
     cost = cost[0] if isinstance(cost, list) else cost
     layer = sum(int(np.prod(x.shape)) * x.dtype.itemsize for g in ("self_attn", "mlp")
                 for x in jax.tree.leaves(state["params"]["base"]["layers"][0][g]))
-    memory[layout] = {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes, "layer": layer,
+    memory[name] = {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes, "layer": layer,
                       "flops": float(cost["flops"])}
 report["memory"] = memory
 errors = {}
@@ -131,7 +134,7 @@ def _runs(report):
 
 def test_every_layout_gives_the_single_device_loss_gradients_and_adam_step(report):
     runs = _runs(report)
-    assert len(runs) == 6
+    assert len(runs) == 8
     for name, r in runs.items():
         assert r["n"][0] == r["n"][1] > 0, (name, r)
         assert r["grad_nonzero"] and r["ok"], (name, r)
@@ -143,15 +146,18 @@ def test_the_frozen_base_lies_one_fsdp_th_per_device_and_each_layer_is_gathered_
     for name, r in _runs(report).items():
         assert r["embed_rows_per_device"] * r["fsdp"] == r["embed_rows"], (name, r)
         assert f"fsdp {r['fsdp']}" in r["describe"], (name, r)
-        shard_trainable = name.endswith("True")
+        shard_trainable = r["shard_trainable"]
         if r["fsdp"] > 1:
             # the embedding and the head once; every projection for its forward (its backward's recompute shares
             # it) and again for its backward's dY W, except the first layer's q, k and v, whose dY W (the gradient
             # of the frozen embedding's output) is not needed (NF4: its packed bytes and its absmax codes; the
-            # one-element absmax2 stays whole); sharded adapters, A and B of each projection, once
+            # one-element absmax2 stays whole); sharded adapters, A and B of each projection, once. With the
+            # gathered weights kept (reshard_after_forward false) the backward shares the forward's gathers
             per_projection = 2 if name.startswith("qlora") else 1
             adapters = 2 * layers * projections if shard_trainable else 0
-            assert r["all_gathers"] == 2 + (2 * layers * projections - 3) * per_projection + adapters, (name, r)
+            gathered = 2 * layers * projections - 3 if r["reshard"] else layers * projections
+            assert r["all_gathers"] == 2 + gathered * per_projection + adapters, (name, r)
+            assert ("gathered weights kept for the backward" in r["describe"]) is (not r["reshard"]), (name, r)
         assert r["lora_a_replicated"] is (not shard_trainable), (name, r)
 
 
@@ -163,6 +169,14 @@ def test_bad_layouts_are_refused_naming_the_key(report):
     assert "mesh.fsdp = 3 does not divide the 8 devices" in e["indivisible"]
     assert "mesh.fsdp = 4" in e["fsdp_not_all"] and "data,fsdp" in e["fsdp_not_all"]
     assert "mode 'full'" in e["full"] and "mesh.axes = 'data'" in e["full"]
+
+
+def test_fsdp_keeping_gathered_weights_holds_them_all_to_the_backward_for_the_same_arithmetic(report):
+    data, kept = report["memory"]["data"], report["memory"]["fsdp kept"]
+    assert kept["arguments"] < data["arguments"] / 5, report["memory"]  # the base at rest stays split
+    # every layer's whole weights live from its forward to its backward (4 layers here), as the data layout's do
+    assert kept["temporaries"] - data["temporaries"] > 2.5 * data["layer"], report["memory"]
+    assert kept["flops"] < 1.02 * data["flops"], report["memory"]
 
 
 def test_fsdp_holds_an_eighth_of_the_base_and_gathers_about_one_layer_at_a_time(report):

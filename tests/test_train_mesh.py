@@ -132,15 +132,29 @@ def test_jaxgrad_train_lora_on_a_data_by_fsdp_mesh_resumes_on_another_layout(tmp
                  "--set", "mesh.fsdp=2", *_TINY)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     assert "fsdp 2: frozen base" in first.stdout and "data 2 x fsdp 2" in first.stdout
+    assert "gathered weights kept" not in first.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mesh"] == {"data": 2, "fsdp": 2} and summary["state_bytes_per_device"] > 0
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    # a run saved before mesh.reshard_after_forward existed resumes, here with the gathered weights kept
+    run = json.loads((out / "run.json").read_text())
+    del run["config"]["mesh"]["reshard_after_forward"]
+    (out / "run.json").write_text(json.dumps(run))
     again = _cli("lora", "--out", str(out), "--resume", "--set", "train.steps=3", "--set", "mesh.axes=fsdp",
-                 "--set", "mesh.fsdp=none", "--no-progress")
+                 "--set", "mesh.fsdp=none", "--set", "mesh.reshard_after_forward=false", "--no-progress")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert "mesh.axes: 'data,fsdp' -> 'fsdp'" in again.stdout
+    assert "gathered weights kept for the backward" in again.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mesh"] == {"data": 1, "fsdp": 4} and summary["step"] == 3
+
+
+def test_keeping_gathered_weights_without_an_fsdp_axis_is_refused_by_name(tmp_path):
+    out = tmp_path / "keep"
+    proc = _cli("lora", "--out", str(out), "--set", "mesh.reshard_after_forward=false", *_TINY)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "mesh.reshard_after_forward = false" in proc.stderr and "mesh.axes = 'data'" in proc.stderr
+    assert not out.exists()
 
 
 def test_a_family_without_a_sharded_layout_is_refused_before_the_run_starts(tmp_path):

@@ -12,7 +12,9 @@ Workloads (:data:`WORKLOADS`; a row is ``(workload, N devices, layout)``, the fi
   LoRA r 16, alpha 32 on all 7 projections (fp32 adapters), seq 4096, per-device micro-batch 2; no gradient
   checkpointing (the block VJP's shared recompute); layouts ``data`` (every device holds the whole base) and
   ``fsdp`` (the base split over the devices, :mod:`jaxgrad.lora.sharding`), on 2 and 4 devices; the 1-device row
-  (layout ``data``) is the baseline of both.
+  (layout ``data``) is the baseline of both. On request (``--layouts ...,fsdp-kept``) also ``fsdp-kept``: split,
+  with each layer's gathered weights kept from its forward to its backward (``mesh.reshard_after_forward = false``:
+  one gather a layer a step, and for NF4 one dequantisation, at about ``data``'s peak memory).
 * ``llama-1b``: Llama-3.2-1B bf16 LoRA, likewise. Its head is untied here (the engine's from-scratch model has an
   untied head): 0.5 GB more frozen weights than the published model, the same work.
 * ``llama-70b-shapes``: Llama-3.1-70B's shapes (hidden 8192, 64 / 8 heads of 128, intermediate 28,672, vocabulary
@@ -67,12 +69,18 @@ LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0
 SEVENTY_B = dict(name="Llama-3.1-70B shapes", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
                  intermediate=28672, vocab=128256, tied=False, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
 WORKLOADS = {
-    "llama-8b-qlora": dict(family="lora", model="8b", qlora=True, checkpointing="none", layouts=("data", "fsdp")),
-    "llama-1b": dict(family="lora", model="1b", qlora=False, checkpointing="none", layouts=("data", "fsdp")),
+    "llama-8b-qlora": dict(family="lora", model="8b", qlora=True, checkpointing="none",
+                           layouts=("data", "fsdp", "fsdp-kept")),
+    "llama-1b": dict(family="lora", model="1b", qlora=False, checkpointing="none",
+                     layouts=("data", "fsdp", "fsdp-kept")),
     "llama-70b-shapes": dict(family="lora", model="70b", qlora=False, checkpointing="full", layouts=("fsdp",)),
     "kan": dict(family="kan", widths=(2, 1024, 1024, 1), grid=5, order=3, batch=65536, layouts=("data",)),
     "cnn": dict(family="cnn", channels=(1, 16, 16, 1), size=1024, batch=8, layouts=("data",)),
 }
+#: LoRA layouts: ``data`` (the base replicated), ``fsdp`` (split, gathered again for the backward) and ``fsdp-kept``
+#: (split, the forward's gathered weights kept for the backward: ``mesh.reshard_after_forward = false``)
+LORA_LAYOUTS = ("data", "fsdp", "fsdp-kept")
+SHARDED_LAYOUTS = ("fsdp", "fsdp-kept")
 TINY_SIZES = {"kan": dict(widths=(2, 16, 16, 1), batch=64), "cnn": dict(size=32, batch=2)}
 TINY_LAYERS = 2
 TARGET_FACTORS = {2: 1.9, 4: 3.8}
@@ -359,7 +367,7 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
             got = r["scaling_factor"]
             out.append(dict(target=f"8B QLoRA scaling >= {need}x on {r['devices']} devices", row=row_label(r),
                             measured=got, needed=need, met=None if got is None else got >= need))
-        if r["family"] == "lora" and r["layout"] == "fsdp":
+        if r["family"] == "lora" and r["layout"] in SHARDED_LAYOUTS:
             need = BASE_BYTES_SLACK / r["devices"]
             got = r["base_bytes_ratio"]
             out.append(dict(target=f"fsdp base bytes per device <= 1/{r['devices']} of one device's "
@@ -469,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=None, help=f"comma-separated substrings of {list(WORKLOADS)}, run in "
                                                      "the order given (default: all, in this order)")
     p.add_argument("--devices", type=_int_list, default=[1, 2, 4], help="device counts (default: 1,2,4)")
-    p.add_argument("--layouts", default="data,fsdp", help="LoRA layouts on 2+ devices (default: data,fsdp)")
+    p.add_argument("--layouts", default="data,fsdp", help="LoRA layouts on 2+ devices, of data, fsdp, fsdp-kept "
+                   "(default: data,fsdp)")
     p.add_argument("--layers", type=int, default=None, help="llama-70b-shapes' layers (default: as many as fill "
                                                             "the largest device count, at most 80)")
     p.add_argument("--batch", type=int, default=None, help="per-device micro-batch of the LoRA workloads "
@@ -504,9 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     layouts = [t.strip() for t in a.layouts.split(",") if t.strip()]
-    bad = [t for t in layouts if t not in ("data", "fsdp")]
+    bad = [t for t in layouts if t not in LORA_LAYOUTS]
     if bad or not layouts:
-        parser.error(f"--layouts: expected data and/or fsdp, got {a.layouts!r}")
+        parser.error(f"--layouts: expected some of {', '.join(LORA_LAYOUTS)}, got {a.layouts!r}")
     for name in ("repeats", "batch", "seq", "layers"):
         v = getattr(a, name)
         if v is not None and v < (2 if name == "seq" else 1):

@@ -98,9 +98,9 @@ def build_lora(row: dict, devices):
     base = host_base(s)
     cfg = TrainConfig(steps=1000, optimizer="adam", lr=3e-3)
     _maybe_inject(row)
-    if row["layout"] == "fsdp":
+    if row["layout"] in ("fsdp", "fsdp-kept"):
         mesh = train_mesh("fsdp", devices)
-        task, plan = make_sharded_task(fit, mesh, base_params=base)
+        task, plan = make_sharded_task(fit, mesh, base_params=base, reshard_after_forward=row["layout"] == "fsdp")
         return task, cfg, mesh, plan, None, [plan.describe]
     if s["qlora"]:  # as jaxgrad train lora does (lora.sharding.plan_on_data_mesh): the NF4 projections are
         # arguments of the step, not constants of its program; an fsdp axis of 1 replicates the whole base

@@ -416,9 +416,10 @@ def _gather_again(params, dy):
     """``(params_dx, dy)``: the params for the backward's ``dY W`` products, with a sharded layer's projection weights
     (:class:`~jaxgrad.train.mesh.GatheredWeight`) tied to ``dy`` by an optimisation barrier, so that XLA gathers
     them again there instead of keeping the forward's whole copies alive through the layers that follow (the
-    recompute keeps the forward's weights: XLA shares it with the forward's identical computation). Other weights
-    pass unchanged."""
-    is_gathered = lambda x: isinstance(x, GatheredWeight)  # noqa: E731
+    recompute keeps the forward's weights: XLA shares it with the forward's identical computation). Other weights,
+    and those with ``reshard_after_forward`` false (XLA then shares the forward's gather and dequantisation with the
+    backward's, as on one device), pass unchanged."""
+    is_gathered = lambda x: isinstance(x, GatheredWeight) and x.reshard_after_forward  # noqa: E731
     leaves, tree = jax.tree.flatten(params, is_leaf=is_gathered)
     at = [i for i, x in enumerate(leaves) if is_gathered(x)]
     if not at:

@@ -102,12 +102,13 @@ def _gather_tree(tree, specs):
     return jax.tree.map(one, tree, specs, is_leaf=lambda x: isinstance(x, NF4Weight))
 
 
-def _lazy_layer(layer: dict, specs: dict, fsdp: int) -> dict:
+def _lazy_layer(layer: dict, specs: dict, fsdp: int, reshard_after_forward: bool = True) -> dict:
     """The layer with its projection weights as :class:`~jaxgrad.train.mesh.GatheredWeight` (gathered inside the
-    block where each is used, in the forward and again in the backward) and its other weights (the norms, whole)
-    gathered now."""
+    block where each is used, in the forward and, with ``reshard_after_forward``, again in the backward) and its
+    other weights (the norms, whole) gathered now."""
     is_nf4 = lambda x: isinstance(x, NF4Weight)  # noqa: E731
-    return {k: (jax.tree.map(lambda x, s: gathered_weight(x, s, fsdp), v, specs[k], is_leaf=is_nf4)
+    return {k: (jax.tree.map(lambda x, s: gathered_weight(x, s, fsdp, reshard_after_forward), v, specs[k],
+                             is_leaf=is_nf4)
                 if k in _PROJ_GROUPS else _gather_tree(v, specs[k])) for k, v in layer.items()}
 
 
@@ -138,7 +139,8 @@ def _split_projections(base: dict) -> tuple[dict, list]:
     return {**base, "layers": rest}, projs
 
 
-def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference: bool, fsdp: int):
+def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference: bool, fsdp: int,
+                  reshard_after_forward: bool = True):
     """The per-device loss ``(params, consts, batch[, key]) -> (S, n)`` on a device's shards (module docstring).
     A layer's projection weights reach its block as :class:`~jaxgrad.train.mesh.GatheredWeight`: the block's VJP
     saves their shards and gathers where it uses them, so the layers need no ``jax.checkpoint`` (which would make
@@ -174,7 +176,7 @@ def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference:
             def run(layer, layer_lora, h, k):
                 if reference:  # jax.grad of the plain block would save the gathered weights: jax.checkpoint drops them
                     return fn(_gather_tree(layer, layer_specs[i]), layer_lora, h, k)
-                return fn(_lazy_layer(layer, layer_specs[i], fsdp), layer_lora, h, k)
+                return fn(_lazy_layer(layer, layer_specs[i], fsdp, reshard_after_forward), layer_lora, h, k)
             if not remat:
                 return run(layer, layer_lora, h, k)
             return jax.checkpoint(run, policy=policy)(layer, layer_lora, h, k)
@@ -228,10 +230,16 @@ def _on_host(fn):
 
 
 def make_sharded_task(fit: LoraFit, mesh, *, grad_path: str = "custom_vjp", device=None, base_params=None,
-                      shard_trainable: bool = False) -> tuple[Task, ShardPlan]:
+                      shard_trainable: bool = False, reshard_after_forward: bool = True) -> tuple[Task, ShardPlan]:
     """``(task, plan)``: :func:`jaxgrad.lora.task.make_task`'s task with its base laid out over ``mesh``'s
     ``fsdp`` axis (module docstring) and an evaluation that runs sharded too. Train it with
     ``jaxgrad.train.fit(task, cfg, out, mesh=mesh, plan=plan)``.
+
+    ``reshard_after_forward`` (default true): each layer's projection weights are gathered again for the backward's
+    ``dY W``, so no layer's whole weights live from the forward to the backward. False: the backward uses the
+    forward's gathered (and, for NF4, dequantised) weights, as on one device: one gather a layer a step and no
+    second dequantisation, for every layer's whole weights alive from its forward to its backward (peak memory near
+    the ``data`` layout's; the base at rest stays split).
 
     ``base_params``: the frozen base (default: :func:`jaxgrad.lora.task.load_base`, read on the host's CPU), taken
     to the host so that no device holds more than its shards (each process holds the whole base in host memory). Mode ``"full"`` (every weight trained) is refused: it has no frozen base."""
@@ -259,9 +267,12 @@ def make_sharded_task(fit: LoraFit, mesh, *, grad_path: str = "custom_vjp", devi
     abstract = jax.eval_shape(task.init, jax.random.key(0))
     specs = param_specs(abstract, n)
     plan_kwargs = dict(consts=consts, consts_specs=consts_specs, shard_trainable=shard_trainable)
-    specs_fn = (lambda reference: _sharded_loss(fit, cfg, lcfg, path, specs, consts_specs, reference, n))
+    specs_fn = (lambda reference: _sharded_loss(fit, cfg, lcfg, path, specs, consts_specs, reference, n,
+                                                reshard_after_forward))
     plan = ShardPlan(param_specs=specs, loss=specs_fn(False), reference_loss=specs_fn(True),
-                     describe=_describe(abstract, specs, consts, n, shard_trainable), **plan_kwargs)
+                     describe=_describe(abstract, specs, consts, n, shard_trainable)
+                     + ("" if reshard_after_forward or n == 1 else "; gathered weights kept for the backward"),
+                     **plan_kwargs)
     return dataclasses.replace(task, evaluate=_sharded_evaluate(task, plan, mesh, grad_path)), plan
 
 
@@ -335,7 +346,8 @@ def cli_task(cfg: dict, out, say, mesh, shard_trainable: bool = False):
     from jaxgrad.lora.task import fit_from_config
 
     fit = fit_from_config(cfg)
-    task, plan = make_sharded_task(fit, mesh, grad_path=cfg["train"]["grad_path"], shard_trainable=shard_trainable)
+    task, plan = make_sharded_task(fit, mesh, grad_path=cfg["train"]["grad_path"], shard_trainable=shard_trainable,
+                                   reshard_after_forward=cfg["mesh"]["reshard_after_forward"])
     whole = jax.jit(lambda tree: tree, out_shardings=jax.sharding.NamedSharding(mesh, PartitionSpec()))
 
     def finish(result):

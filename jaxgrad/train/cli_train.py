@@ -8,7 +8,8 @@ optimiser state), prints it, builds the task and checks the run can start, then 
 trains with :func:`jaxgrad.train.fit` and writes ``summary.json``.
 
 Layout (``[mesh]``, every family): ``axes = "data" | "fsdp" | "data,fsdp"``, ``fsdp`` (the devices per fsdp group
-with ``"data,fsdp"``) and ``shard_trainable`` (the adapters and the optimiser state sharded too);
+with ``"data,fsdp"``), ``shard_trainable`` (the adapters and the optimiser state sharded too) and
+``reshard_after_forward`` (false: the backward uses the forward's gathered weights instead of gathering again);
 ``train.devices`` is how many devices in all. ``"data"`` without ``shard_trainable`` is the plain data parallel
 path; the others need the family's ``sharding`` module (``jaxgrad.<family>.sharding.cli_task``: LoRA / QLoRA) and
 are refused by name for a family without one. Several processes: :mod:`jaxgrad.train.distributed` starts JAX's
@@ -43,7 +44,8 @@ CONFIG_FILE = "config.toml"
 SUMMARY_FILE = "summary.json"
 #: ``[mesh]``: the devices' layout (:mod:`jaxgrad.train.mesh`); may change on ``--resume`` (a checkpoint restores
 #: onto any layout and device count)
-MESH_SCHEMA = {"axes": ("str", "data", LAYOUTS), "fsdp": ("int?", None), "shard_trainable": ("bool", False)}
+MESH_SCHEMA = {"axes": ("str", "data", LAYOUTS), "fsdp": ("int?", None), "shard_trainable": ("bool", False),
+               "reshard_after_forward": ("bool", True)}
 
 
 def owner_of(family: str) -> str:
@@ -86,6 +88,10 @@ def layout_of(family: str, cfg: dict, devices: int | None, say):
         sharding = importlib.import_module(f"{package}.sharding")
     except ModuleNotFoundError:
         sharding = None
+    if m["axes"] == "data" and not m["reshard_after_forward"]:
+        raise ConfigError("mesh.reshard_after_forward = false keeps the weights gathered over the 'fsdp' axis, which "
+                          "mesh.axes = 'data' does not have (nothing is gathered); use mesh.axes = 'fsdp' or "
+                          "'data,fsdp', or leave it unset")
     if m["axes"] == "data" and not m["shard_trainable"]:
         # a family may take its planned path on the data mesh too (an fsdp axis of 1: nothing sharded), e.g. for
         # frozen arrays that must be arguments of the step rather than constants of its program

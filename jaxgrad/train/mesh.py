@@ -195,20 +195,23 @@ class GatheredWeight:
     is used (:func:`whole`), not before: a custom VJP that takes it saves the shards as its residual and gathers
     again in its backward, so no device keeps a layer's whole weight from the forward to the backward, and the VJP's
     own recompute is kept (``jax.checkpoint``, the other way to drop a gathered weight, recomputes a custom VJP's
-    whole forward).
+    whole forward). With ``reshard_after_forward`` false the backward uses the forward's gathered weight instead
+    (one gather a step, the whole weight kept from the forward to the backward: PyTorch FSDP2's option of that name).
 
     Attributes:
       value: an array, or a pytree of arrays (an NF4 weight's bytes and scales), each leaf this device's piece.
       axes: static, one per leaf of ``value`` (flattening order): the axis the leaf is split along, ``None`` whole.
       shape: static, the whole weight's shape (what ``value`` gathers to; an NF4 weight's ``[out, in]``).
+      reshard_after_forward: static; whether the backward gathers the weight again (see above).
     """
 
     value: Any
     axes: tuple
     shape: tuple
+    reshard_after_forward: bool = True
 
     def tree_flatten(self):
-        return (self.value,), (self.axes, self.shape)
+        return (self.value,), (self.axes, self.shape, self.reshard_after_forward)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -221,7 +224,7 @@ class GatheredWeight:
                                          for x, a in zip(leaves, self.axes, strict=True)])
 
 
-def gathered_weight(x, spec, fsdp: int):
+def gathered_weight(x, spec, fsdp: int, reshard_after_forward: bool = True):
     """``x`` (an array, or an NF4 weight whose leaves' specs ``spec`` gives leaf for leaf) as a
     :class:`GatheredWeight` on an ``fsdp`` axis of ``fsdp`` devices, or ``x`` itself where nothing of it is split."""
     leaves = jax.tree.leaves(x)
@@ -234,7 +237,7 @@ def gathered_weight(x, spec, fsdp: int):
         shape = tuple(d * (fsdp if i == axes[0] else 1) for i, d in enumerate(np.shape(x)))
     else:  # a structured weight (NF4) states its whole shape
         shape = x.shape
-    return GatheredWeight(x, axes, tuple(int(d) for d in shape))
+    return GatheredWeight(x, axes, tuple(int(d) for d in shape), bool(reshard_after_forward))
 
 
 def whole(w):
