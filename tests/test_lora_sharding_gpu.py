@@ -57,7 +57,7 @@ def _sharded_mean(task, plan, mesh, params, batch):
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 or more GPUs")
-@pytest.mark.parametrize("layout", ["data", "fsdp", "data,fsdp"])
+@pytest.mark.parametrize("layout", ["data", "fsdp", "data,fsdp", "fsdp-kept"])
 def test_bf16_lora_gradient_over_the_gpus_passes_the_verifier(layout):
     from jaxgrad.lora.sharding import make_sharded_task
     from jaxgrad.lora.task import make_task
@@ -65,12 +65,14 @@ def test_bf16_lora_gradient_over_the_gpus_passes_the_verifier(layout):
     from jaxgrad.verify import check_vjp
 
     n = _gpus()
+    kept = layout == "fsdp-kept"  # fsdp with the forward's gathered weights kept for the backward
+    layout = "fsdp" if kept else layout
     fsdp = dict(_layouts(n)).get(layout, "skip")
     if fsdp == "skip":
         pytest.skip(f"layout {layout} needs 4 GPUs")
     fit = _fit("bfloat16")
     mesh = train_mesh(layout, n, fsdp)
-    task, plan = make_sharded_task(fit, mesh)
+    task, plan = make_sharded_task(fit, mesh, reshard_after_forward=not kept)
     params = task.init(jax.random.key(0))
     batch = next(iter(task.batches(0)))
     fn = _sharded_mean(task, plan, mesh, params, batch)
@@ -84,7 +86,7 @@ def test_bf16_lora_gradient_over_the_gpus_passes_the_verifier(layout):
         return s / cnt.astype(s.dtype)
 
     report = check_vjp(fn, reference, params["lora"], float64=False, fd=False, structural=False,
-                       name=f"lora bf16 over {n} GPUs, {layout}")
+                       name=f"lora bf16 over {n} GPUs, {layout}{' (gathered weights kept)' if kept else ''}")
     assert report.passed, report
 
 
