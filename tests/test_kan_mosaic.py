@@ -253,6 +253,30 @@ def test_whole_kib_rows_rounds_a_table_up_to_whole_kib(rows, row_bytes, expected
     assert (expected * row_bytes) % 1024 == 0
 
 
+@pytest.mark.parametrize("probe", ["products", "bases"])
+def test_the_benchs_breakdown_probes_lower_for_hopper(monkeypatch, probe):
+    import dataclasses
+
+    monkeypatch.setattr(F, "_num_sms", lambda: 132)
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    tiles = dataclasses.replace(F.ForwardTiles.for_layer(8, 3), probe=probe)
+    fn = jax.jit(lambda *a: F.kan_forward_mgpu(*a, 3, config=tiles))
+    args = (sd(129, 96), sd(96, 12), sd(520, 96, 8), sd(520, 96))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_benchs_xla_dx_row_is_the_layers_input_gradient():
+    from jaxgrad.bench.kan import _dx_variants
+
+    trainable, grid = _layer(0, 17, 9)
+    x, g = _x(0, 33, 17), _cotangent(1, 33, 9)
+    p = {**trainable, "grid": grid}
+    _, vjp = jax.vjp(lambda x: kan_linear(p, x, backend="xla", precision="fp16_scaled"), x)
+    # the same products; XLA may fuse the two programs' float32 sums in another order
+    np.testing.assert_allclose(np.asarray(_dx_variants()["xla dx fp16_scaled"](p, x, g)), np.asarray(vjp(g)[0]),
+                               rtol=1e-5)
+
+
 def test_tiles_fit_shared_memory_for_every_grid_the_benchmarks_use():
     for nb, k in ((8, 3), (23, 3), (10, 5), (4, 1), (53, 3), (105, 5)):
         t = F.ForwardTiles.for_layer(nb, k)

@@ -8,7 +8,8 @@ At the default precision with float32 arrays the XLA custom VJP is also timed wi
 ``backend="mosaic"`` (the forward and the input gradient in the Mosaic kernels of :mod:`jaxgrad.kan.forward_mgpu`
 and :mod:`jaxgrad.kan.dx_mgpu`, the weight gradients on the XLA custom VJP's scaled products); the forward alone
 (rows sized ``part=forward``: FLOPs a third of the layer's) on the Mosaic kernel against XLA's (and the kernel with
-256-output tiles: each basis tile computed once per 256 outputs instead of 128), and the input gradient alone
+256-output tiles: each basis tile computed once per 256 outputs instead of 128; and two probes of where its time
+goes, the products without the Cox-de Boor sweep and the sweep without most products), and the input gradient alone
 (``part=dx``) on the Mosaic kernel against XLA's scaled products.
 """
 
@@ -101,21 +102,27 @@ def _forward_variants(dtype, nb: int, k: int) -> dict[str, Callable]:
     def fwd(backend, precision=None):
         return jax.jit(lambda p, x: kan_linear(p, x, backend=backend, precision=precision))
 
-    def mosaic_tiles(tile_n):
+    def mosaic_tiles(tile_n, probe=""):
+        import dataclasses
+
         from jaxgrad.kan.forward_mgpu import ForwardTiles, kan_forward_mgpu
 
         def f(p, x):
             nb = p["spline_weight"].shape[-1]
             k = p["grid"].shape[-1] - nb - 1
             coef = (p["spline_weight"] * p["spline_scaler"][..., None]).astype(jnp.float32)
+            tiles = dataclasses.replace(ForwardTiles.for_layer(nb, k, tile_n), probe=probe)
             return kan_forward_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), coef,
-                                    p["base_weight"].astype(jnp.float32), k,
-                                    config=ForwardTiles.for_layer(nb, k, tile_n))
+                                    p["base_weight"].astype(jnp.float32), k, config=tiles)
         return jax.jit(f)
 
     out = {"mosaic forward": fwd("mosaic")}
     if _tiles_fit(nb, k, 256):
         out["mosaic forward tile_n=256"] = mosaic_tiles(256)
+    # where the kernel's time goes (results not the layer's): the products without the sweep, the sweep without NB
+    # of the products
+    out["mosaic forward probe: products only"] = mosaic_tiles(None, probe="products")
+    out["mosaic forward probe: bases only"] = mosaic_tiles(None, probe="bases")
     if jnp.dtype(dtype) == jnp.float32:
         out["xla forward fp16_scaled"] = fwd("xla", "fp16_scaled")
     out["xla forward"] = fwd("xla")

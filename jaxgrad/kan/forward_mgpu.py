@@ -67,6 +67,10 @@ class ForwardTiles:
     epi_tile_m: int = 64
     epi_tile_n: int = 16  # 16 KiB of fp32 epilogue slots: room for two stages of bk = 32 at G = 5, k = 3
     grid_tile_width: int = 8
+    # the kan bench's breakdown of the kernel's time (the result is then not the layer's): "products" issues the
+    # NB + 1 products of every step with silu(x) as each left operand (no Cox-de Boor sweep); "bases" runs the sweep
+    # and issues one product a step, of the bases' sum (the ALU work without NB of the NB + 1 products)
+    probe: str = ""
 
     def smem_bytes(self, nb: int, k: int) -> int:
         """Shared memory of one CTA: the stages (``x``, knot tables, ``NB + 1`` slabs) and the epilogue slots."""
@@ -259,9 +263,19 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
                     return lax.broadcast_in_dim(row, (_ROWS, bk), [1])
 
                 tab = KnotTable(knot_row, expand=lambda row: row)
-                for mb, basis in affine_sweep(x, tab, nb + k, k, k):
-                    plgpu.wgmma(acc_ref, (basis * rs).astype(jnp.float16), v_smem.at[mb])
-                plgpu.wgmma(acc_ref, (_silu(x) * rs).astype(jnp.float16), v_smem.at[nb])
+                if cfg.probe == "products":
+                    a16 = (_silu(x) * rs).astype(jnp.float16)
+                    for mb in range(nb + 1):
+                        plgpu.wgmma(acc_ref, a16, v_smem.at[mb])
+                elif cfg.probe == "bases":
+                    total = _silu(x)
+                    for _, basis in affine_sweep(x, tab, nb + k, k, k):
+                        total = total + basis
+                    plgpu.wgmma(acc_ref, (total * rs).astype(jnp.float16), v_smem.at[nb])
+                else:
+                    for mb, basis in affine_sweep(x, tab, nb + k, k, k):
+                        plgpu.wgmma(acc_ref, (basis * rs).astype(jnp.float16), v_smem.at[mb])
+                    plgpu.wgmma(acc_ref, (_silu(x) * rs).astype(jnp.float16), v_smem.at[nb])
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
