@@ -10,7 +10,8 @@ and :mod:`jaxgrad.kan.dx_mgpu`, the weight gradients on the XLA custom VJP's sca
 (rows sized ``part=forward``: FLOPs a third of the layer's) on the Mosaic kernel against XLA's (and the kernel with
 256-output tiles: each basis tile computed once per 256 outputs instead of 128; and two probes of where its time
 goes, the products without the Cox-de Boor sweep and the sweep without most products), and the input gradient alone
-(``part=dx``) on the Mosaic kernel against XLA's scaled products.
+(``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`) on the Mosaic kernels
+against XLA's scaled products.
 """
 
 from __future__ import annotations
@@ -145,6 +146,29 @@ def _dx_variants() -> dict[str, Callable]:
     return {"mosaic dx": dx("mosaic"), "xla dx fp16_scaled": dx("xla")}
 
 
+def _dcoef_variants() -> dict[str, Callable]:
+    """The weight gradients alone, ``dC[o,i,m] = sum_b g[b,o] B_m(x[b,i])`` and ``dW^b = g^T silu(x)``, on the scaled
+    float16 products: the Mosaic kernel (:mod:`jaxgrad.kan.dcoef_mgpu`, not yet the layer's) against XLA's."""
+    from jaxgrad.kan import fp16_scaled
+    from jaxgrad.kan.dcoef_mgpu import kan_dcoef_mgpu
+    from jaxgrad.kan.spline import bspline_basis
+
+    def order(p):
+        return p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
+
+    def mosaic(p, x, g):
+        v = kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
+        return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+
+    def xla(p, x, g):
+        x = x.astype(jnp.float32)
+        phi = bspline_basis(x, p["grid"].astype(jnp.float32), order(p))
+        dcoef = fp16_scaled.matmul(g.T, phi.reshape(x.shape[0], -1)).reshape(g.shape[1], x.shape[1], -1)
+        return dcoef, fp16_scaled.matmul(g.T, x * jax.nn.sigmoid(x))
+
+    return {"mosaic dC": jax.jit(mosaic), "xla dC fp16_scaled": jax.jit(xla)}
+
+
 def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
     """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x)."""
     from jaxgrad.kan.layer import KANConfig, init
@@ -174,6 +198,9 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
                 if dtype == jnp.float32:
                     g = jax.random.normal(jax.random.key(2), (cfg["batch"], cfg["features"]), jnp.float32)
                     rows += bm.run_variants("kan", _dx_variants(), (params, x, g), sizes=dict(cfg, part="dx"),
+                                            flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
+                                            floor_precision="tf32", warmup=warmup, repeats=repeats)
+                    rows += bm.run_variants("kan", _dcoef_variants(), (params, x, g), sizes=dict(cfg, part="dC"),
                                             flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
                                             floor_precision="tf32", warmup=warmup, repeats=repeats)
             if sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3:

@@ -1,0 +1,264 @@
+r"""The KAN layer's weight gradients, spline coefficients and SiLU weights, in one Mosaic GPU kernel on Hopper
+(``wgmma``), computed transposed so that the bases are the left operand, built in registers from tiles of
+:math:`x^\top`, against float16 operands scaled by powers of two.
+
+With ``A^{(m)}_{bi} = B_m(x_{bi})`` (``m < NB``), ``A^{(NB)} = \operatorname{silu}(x)`` and the output cotangent
+``g [B, out]``, the gradients of ``C_{oim}`` and ``W^b_{oi}`` are the columns of
+
+.. math::
+
+    \bar V^{(m)}_{io} = \sum_b A^{(m)}_{bi}\, g_{bo} = \bigl(A^{(m)\top} g\bigr)_{io},
+    \qquad \bar C_{oim} = \bar V^{(m)}_{io} \ (m < NB), \qquad \bar W^b_{oi} = \bar V^{(NB)}_{io}.
+
+Written this way the contraction runs over the batch and the left operand's rows are inputs: a tile of
+:math:`x^\top` (``[64 inputs, bb rows]``, XLA transposes ``x`` once) gives, by the diagonal Cox-de Boor sweep of
+:mod:`jaxgrad.kan.basis_tiles`, the left operands :math:`A^{(m)\top}` of the tile in registers, as the forward kernel
+builds its own; ``g`` tiles (``[bb, tile_o]``) come by TMA as the right operand. No operand is transposed in shared
+memory and the ``[B, in, NB]`` basis is never written.
+
+**Scaling** (:mod:`jaxgrad.kan.fp16_scaled`'s model for ``a [M, K] @ b [K, N]``, applied to ``a = A^{(m)\top}``,
+``b = g``: the operands of ``fp16_scaled.matmul(g.T, phi)`` of the XLA path, transposed): row ``(m, i)`` of ``a`` by
+:math:`2^{u_{mi}}` from :math:`\max_b |A^{(m)}_{bi}|` (XLA computes the maxima of the bases over the batch first),
+column ``o`` of ``g`` by :math:`2^{t_o}` from its largest magnitude; the kernel accumulates the float16 products in
+fp32 and XLA unscales by :math:`2^{-u_{mi} - t_o}` exactly. The sweep is the plain one (:func:`basis_tiles.sweep`),
+not the affine form: a coefficient's column may hold only tails of its basis, where the affine form's absolute
+rounding would be the whole value.
+
+**The kernel.** A CTA owns ``2 x 64`` inputs (one 64-input block per compute warpgroup) by ``tile_o`` outputs and a
+group of at most ``max_group`` accumulators ``[64, tile_o]`` (bases ``m_lo .. m_hi - 1``); a memory warpgroup
+streams, per block of ``bb`` batch rows, the :math:`x^\top` tile (fp32) and the ``g`` tile (fp16) by TMA. Each
+compute warpgroup brings its inputs' knot table and row factors into shared memory once per output tile, and per
+step runs the sweep up to ``m_hi`` and issues one ``wgmma`` per basis of the group. Groups are separate kernel calls
+(each walks the sweep from the first interval); XLA joins them.
+
+Scope: float32; shapes padded to the tiles (zero rows of ``g`` for padded batch rows, zero knot-table columns for
+padded inputs: every basis there is 0, and ``silu(0) = 0``). It needs a Hopper GPU: the GPU tests compare it with
+:func:`kan_dcoef_scaled_reference`; on a CPU its lowering is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxgrad.kan import fp16_scaled
+from jaxgrad.kan.basis_tiles import KnotTable, knot_tables, pad_to, sweep
+from jaxgrad.kan.spline import bspline_basis
+from jaxgrad.ops import mgpu_common
+from jaxgrad.ops.mgpu_common import num_sms as _num_sms
+
+__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "scaled_operands"]
+
+_ROWS = 64  # inputs per compute warpgroup: the wgmma M
+
+
+@dataclasses.dataclass(frozen=True)
+class DcoefTiles:
+    """Tiles of :func:`kan_dcoef_mgpu`: ``bb`` batch rows per pipeline stage (the contraction; a multiple of 16),
+    ``tile_o`` outputs per CTA, ``stages`` in flight, at most ``max_group`` accumulators ``[64, tile_o]`` per call,
+    the epilogue's pieces."""
+
+    bb: int = 32
+    tile_o: int = 64
+    stages: int = 3
+    max_group: int = 3
+    epi_tile_m: int = 64
+    epi_tile_n: int = 16
+    grid_tile_width: int = 8
+
+
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+def scaled_operands(x, grid, g, spline_order: int):
+    """``u [NB+1, in]`` (rows ``(m, i)`` of the left operand, from ``max_b |A^{(m)}_{bi}|``), ``t [out]`` (columns of
+    ``g``) and ``A [NB+1, in, B]`` (float32, unscaled: the bases and ``silu(x)``, transposed)."""
+    phi = bspline_basis(x, grid, spline_order)  # [B, in, NB]
+    a = jnp.concatenate([jnp.transpose(phi, (2, 1, 0)), _silu(x).T[None]], axis=0)
+    u = fp16_scaled.scale_exponents(jnp.max(jnp.abs(a), axis=2, initial=0.0))
+    t = fp16_scaled.scale_exponents(jnp.max(jnp.abs(g), axis=0, initial=0.0))
+    return u, t, a
+
+
+def _round16(a):
+    return a if a.dtype == jnp.float64 else a.astype(jnp.float16)
+
+
+def kan_dcoef_scaled_reference(x, grid, g, spline_order: int):
+    """What :func:`kan_dcoef_mgpu` computes, in plain JAX: ``V̄ [NB+1, in, out]`` from the same float16 operands,
+    float32 sums in another order, the same exact unscaling (float64 arrays: no float16 rounding)."""
+    u, t, a = scaled_operands(x, grid, g, spline_order)
+    a16 = _round16(a * fp16_scaled.pow2(u, a.dtype)[:, :, None])
+    g16 = _round16(g * fp16_scaled.pow2(t, g.dtype)[None, :])
+    acc = jnp.einsum("mib,bo->mio", a16, g16, preferred_element_type=x.dtype, precision=lax.Precision.HIGHEST)
+    return fp16_scaled.unscale(acc, -(u[:, :, None] + t[None, None, :]))
+
+
+def _g_transforms(bb: int):
+    """The ``g`` tiles' layout as a ``wgmma`` right operand ``[bb, tile_o]``: swizzled in groups of ``bb``
+    (the contraction) float16 elements, as the forward kernel's coefficient slabs."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, bb)), plgpu.SwizzleTransform(2 * bb))
+
+
+def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_lo: int, m_hi: int, nb: int, k: int,
+            n_rows: int):
+    """``acc [cnt * in_pad, out_pad]`` (fp32): row block ``j`` holds basis ``m_lo + j``'s scaled products."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    n_in, m_rows = xt_gmem.shape
+    n_out = g_gmem.shape[1]
+    bb, tile_o = cfg.bb, cfg.tile_o
+    epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
+    cnt = m_hi - m_lo
+    cta_i = 2 * _ROWS
+    i_iters, o_iters, b_iters = n_in // cta_i, n_out // tile_o, m_rows // bb
+    tab_rows, f_rows = tab_gmem.shape[0], f_gmem.shape[0]
+
+    spec = mgpu_common.smem_spec
+    pipeline = mgpu_common.warp_specialized([
+        spec((cta_i, bb), lambda kk: (0, kk), mgpu_common.smem_transforms(bb, jnp.float32)),
+        spec((bb, tile_o), lambda kk: (kk, 0), _g_transforms(bb)),
+    ], b_iters, cfg.stages)
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
+    slots = min(2, (_ROWS // epi_m) * (tile_o // epi_n))
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(xt_gmem, g_gmem),
+        # every buffer whole KiB (the tables padded by the wrapper), so each starts aligned
+        out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), jnp.float32,
+                            transforms=mgpu_common.smem_transforms(epi_n, jnp.float32)),
+        tab_smem=plgpu.SMEM((2, tab_rows, _ROWS), jnp.float32),
+        f_smem=plgpu.SMEM((2, f_rows, _ROWS), jnp.float32),
+        bars=plgpu.Barrier(num_barriers=4),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, tab_smem, f_smem, bars):
+        wg = lax.axis_index("wg")
+
+        @mgpu_common.persistent_tiles((i_iters, o_iters), cfg.grid_tile_width)
+        def _tile(i_idx, o_idx):
+            cta_i_slice = pl.ds(i_idx * cta_i, cta_i)
+            wg_cols = pl.ds(i_idx * cta_i + wg * _ROWS, _ROWS)  # the warpgroup's inputs: table columns
+            wg_i_slice = pl.ds(wg * _ROWS, _ROWS)
+            o_slice = pl.ds(o_idx * tile_o, tile_o)
+
+            def bcast(row):  # a per-input [64] vector against a [64, bb] tile (inputs are its rows)
+                return lax.broadcast_in_dim(row, (_ROWS, bb), [0])
+
+            def compute_context(eval_pipeline):
+                # the previous tile's steps have read the tables: its last step's products were waited for
+                plgpu.copy_gmem_to_smem(tab_gmem.at[:, wg_cols], tab_smem.at[wg], bars.at[wg])
+                plgpu.copy_gmem_to_smem(f_gmem.at[:, wg_cols], f_smem.at[wg], bars.at[2 + wg])
+                plgpu.barrier_wait(bars.at[wg])
+                plgpu.barrier_wait(bars.at[2 + wg])
+
+                @functools.partial(pl.run_scoped,
+                                   accs=[plgpu.ACC((_ROWS, tile_o), jnp.float32) for _ in range(cnt)])
+                def _acc_scope(accs):
+                    eval_pipeline(accs)
+                    for j in range(cnt):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        rows = pl.ds(j * n_in + i_idx * cta_i, cta_i)
+                        mgpu_common.store_tile(accs[j][...], out_smem, wg,
+                                               out_gmem.at[rows, o_slice].at[wg_i_slice], epi_m, epi_n)
+
+            def mma_body(_, xt_smem, g_smem, accs):
+                xt = xt_smem[wg_i_slice]  # [64 inputs, bb rows] fp32
+
+                def knot_row(p, r):
+                    return bcast(tab_smem[wg, p * n_rows + r])
+
+                tab = KnotTable(knot_row, expand=lambda row: row)
+                if m_lo < nb:
+                    for m, basis in sweep(xt, tab, nb + k, k):
+                        if m >= m_lo:
+                            a16 = (basis * bcast(f_smem[wg, m - m_lo])).astype(jnp.float16)
+                            plgpu.wgmma(accs[m - m_lo], a16, g_smem)
+                        if m + 1 >= min(m_hi, nb):
+                            break
+                if m_hi > nb:
+                    a16 = (_silu(xt) * bcast(f_smem[wg, nb - m_lo])).astype(jnp.float16)
+                    plgpu.wgmma(accs[nb - m_lo], a16, g_smem)
+                plgpu.wgmma_wait(0)
+                return accs
+
+            pipeline(mma_body, compute_context)(
+                xt_gmem.at[cta_i_slice, :], g_gmem.at[:, o_slice], allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "m_lo", "m_hi", "nb", "k", "n_rows", "num_sms"))
+def _call(xt, g16, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, num_sms):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    fn = plgpu.kernel(
+        functools.partial(_kernel, cfg=config, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows),
+        out_type=jax.ShapeDtypeStruct(((m_hi - m_lo) * xt.shape[0], g16.shape[1]), jnp.float32),
+        grid=(num_sms,),
+        grid_names=("cluster_grid",),
+        num_threads=3,  # two compute warpgroups and the memory warpgroup
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return fn(xt, g16, tab, f)
+
+
+def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = None, num_sms: int | None = None):
+    r"""``V̄ [NB+1, in, out]`` (float32) of the module doc: ``V̄[m] = A^{(m)\top} g`` from the scaled float16 operands,
+    on the Hopper kernel (``V̄[:NB]`` transposed is the coefficients' gradient, ``V̄[NB]`` transposed the SiLU
+    weights').
+
+    Args:
+      x: ``[B, in]`` float32.
+      grid: ``[in, G + 2k + 1]`` float32 knots (non-decreasing rows).
+      g: ``[B, out]`` float32, the output cotangent.
+      spline_order: ``k``.
+      config: the kernel's tiles (default :class:`DcoefTiles`).
+    """
+    from jaxgrad.kan.forward_mgpu import knot_table_limit
+
+    for name, a in (("x", x), ("grid", grid), ("g", g)):
+        if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
+            raise ValueError(f"kan_dcoef_mgpu: '{name}' must be float32, got {a.dtype}")
+    if x.ndim != 2 or g.ndim != 2 or g.shape[0] != x.shape[0] or grid.shape[0] != x.shape[1]:
+        raise ValueError(f"kan_dcoef_mgpu: needs x [B, in], grid [in, knots], g [B, out]; got {x.shape}, "
+                         f"{grid.shape}, {g.shape}")
+    k = int(spline_order)
+    nb = grid.shape[-1] - k - 1
+    why = knot_table_limit(grid, jax.ShapeDtypeStruct((1, 1, nb), jnp.float32))
+    if why is not None:
+        raise ValueError(f"kan_dcoef_mgpu: {why}")
+    c = config or DcoefTiles()
+    b, in_f = x.shape
+    out_f = g.shape[1]
+    u, t, _ = scaled_operands(x, grid, g, k)
+    b_pad = -(-b // c.bb) * c.bb
+    in_pad = -(-in_f // (2 * _ROWS)) * 2 * _ROWS
+    out_pad = -(-out_f // c.tile_o) * c.tile_o
+    n_rows = nb + k + 1
+    row_bytes = 4 * _ROWS  # a table row as a warpgroup copies it: its 64 inputs
+    tab = knot_tables(grid, jnp.float32, k, n_rows, in_pad)
+    tab = pad_to(tab, (mgpu_common.whole_kib_rows(tab.shape[0], row_bytes), in_pad))
+    xt = pad_to(x.T, (in_pad, b_pad))
+    g16 = pad_to((g * fp16_scaled.pow2(t, g.dtype)[None, :]).astype(jnp.float16), (b_pad, out_pad))
+    f = pad_to(fp16_scaled.pow2(u, jnp.float32), (nb + 1, in_pad))
+    parts = []
+    for m_lo in range(0, nb + 1, c.max_group):
+        m_hi = min(nb + 1, m_lo + c.max_group)
+        f_group = pad_to(f[m_lo:m_hi], (mgpu_common.whole_kib_rows(m_hi - m_lo, row_bytes), in_pad))
+        acc = _call(xt, g16, tab, f_group, config=c, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows,
+                    num_sms=int(num_sms or _num_sms()))
+        parts.append(acc.reshape(m_hi - m_lo, in_pad, out_pad))
+    acc = jnp.concatenate(parts)[:, :in_f, :out_f]
+    return fp16_scaled.unscale(acc, -(u[:, :, None] + t[None, None, :]))
