@@ -200,17 +200,10 @@ def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_l
 
 @functools.partial(jax.jit, static_argnames=("config", "m_lo", "m_hi", "nb", "k", "n_rows", "num_sms"))
 def _call(xt, g16, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, num_sms):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    fn = plgpu.kernel(
+    fn = mgpu_common.persistent_kernel(
         functools.partial(_kernel, cfg=config, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows),
-        out_type=jax.ShapeDtypeStruct(((m_hi - m_lo) * xt.shape[0], g16.shape[1]), jnp.float32),
-        grid=(num_sms,),
-        grid_names=("cluster_grid",),
-        num_threads=3,  # two compute warpgroups and the memory warpgroup
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+        jax.ShapeDtypeStruct(((m_hi - m_lo) * xt.shape[0], g16.shape[1]), jnp.float32),
+        num_sms)
     return fn(xt, g16, tab, f)
 
 

@@ -204,17 +204,10 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
 
 @functools.partial(jax.jit, static_argnames=("config", "m_lo", "m_hi", "nb", "k", "n_rows", "split", "num_sms"))
 def _call(g16, u16, x, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, split, num_sms):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    fn = plgpu.kernel(
+    fn = mgpu_common.persistent_kernel(
         functools.partial(_kernel, cfg=config, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows, split=split),
-        out_type=jax.ShapeDtypeStruct(x.shape, jnp.float32),
-        grid=(num_sms,),
-        grid_names=("cluster_grid",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+        jax.ShapeDtypeStruct(x.shape, jnp.float32),
+        num_sms)
     return fn(g16, u16, x, tab, f)
 
 

@@ -289,18 +289,11 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
 
 @functools.partial(jax.jit, static_argnames=("config", "nb", "k", "n_rows", "split", "num_sms"))
 def _call(x, tab, v, rs, *, config, nb, k, n_rows, split, num_sms):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     m, n = x.shape[0], v.shape[0] // (nb + 1) * v.shape[-1]
-    f = plgpu.kernel(
+    f = mgpu_common.persistent_kernel(
         functools.partial(_kernel, cfg=config, nb=nb, k=k, n_rows=n_rows, split=split),
-        out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        grid=(num_sms,),
-        grid_names=("cluster_grid",),
-        num_threads=3,  # two compute warpgroups and the memory warpgroup
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+        jax.ShapeDtypeStruct((m, n), jnp.float32),
+        num_sms)
     return f(x, tab, v, rs)
 
 

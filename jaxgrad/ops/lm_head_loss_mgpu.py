@@ -147,21 +147,13 @@ def _kernel(h_gmem, w_gmem, p_gmem, m_gmem, s_gmem, *, cfg: TileConfig, vocab: i
 
 @functools.partial(jax.jit, static_argnames=("vocab", "config", "num_sms"))
 def _call(h, w, *, vocab, config, num_sms):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     m, n = h.shape[0], w.shape[0]
     tiles = n // config.tile_n
-    f = plgpu.kernel(
+    f = mgpu_common.persistent_kernel(
         functools.partial(_kernel, cfg=config, vocab=vocab),
-        out_type=(jax.ShapeDtypeStruct((m, n), jnp.float32),
-                  jax.ShapeDtypeStruct((tiles, m), jnp.float32),
-                  jax.ShapeDtypeStruct((tiles, m), jnp.float32)),
-        grid=(num_sms,),
-        grid_names=("cluster_grid",),
-        num_threads=3,  # two compute warpgroups and the memory warpgroup
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+        (jax.ShapeDtypeStruct((m, n), jnp.float32), jax.ShapeDtypeStruct((tiles, m), jnp.float32),
+         jax.ShapeDtypeStruct((tiles, m), jnp.float32)),
+        num_sms)
     return f(h, w)
 
 

@@ -184,8 +184,6 @@ def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, e
     """``mode="fwd"``: ``X W^T + s (X A^T) B^T`` (lhs = X); ``mode="dx"``: ``dY W + s (dY B) A`` (lhs = dY).
     ``emit_rank``: also return the rank-r product the epilogue used, ``s X A^T`` / ``s dY B`` [M, r] in the operand
     dtype."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     fwd = mode == "fwd"
     n = w.shape[0] if fwd else w.shape[1]
     # R2^T [r, Kc] (A forward, B^T for dX) and R3^T (B [N, r] forward, A^T [K, r] for dX: a 16-wide untransposed
@@ -194,15 +192,10 @@ def _call(lhs, w, a, b, *, scale, config, num_sms, mode="fwd", out_dtype=None, e
     # P = s (L R2) by XLA, fp32 accumulation, rounded once to the operand dtype (lora_linear_fwd's sU)
     rank = (scale * lax.dot_general(lhs, r2t, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)).astype(lhs.dtype)
-    f = plgpu.kernel(
+    f = mgpu_common.persistent_kernel(
         functools.partial(_kernel, cfg=config, t1=fwd),
-        out_type=jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype),
-        grid=(num_sms,),
-        grid_names=("cluster_grid",),
-        num_threads=3,  # two compute warpgroups and the memory warpgroup
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+        jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype or lhs.dtype),
+        num_sms)
     out = f(lhs, w, rank, r3t)
     return (out, rank) if emit_rank else out
 

@@ -10,8 +10,8 @@ import math
 
 import jax.numpy as jnp
 
-__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "persistent_tiles", "smem_spec", "smem_transforms",
-           "store_tile", "warp_specialized", "whole_kib_rows"]
+__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "persistent_kernel", "persistent_tiles", "smem_spec",
+           "smem_transforms", "store_tile", "warp_specialized", "whole_kib_rows"]
 
 SMEM_ALIGN = 1024  # bytes: a 128-byte swizzle's atom (8 rows x 128 B); TMA needs at least 128
 
@@ -65,6 +65,23 @@ def num_sms() -> int:
     from jax.extend import backend
 
     return backend.get_default_device().core_count
+
+
+def persistent_kernel(body, out_type, num_sms: int):
+    """``body`` as a Mosaic GPU kernel on the persistent grid (``num_sms`` CTAs, axis ``"cluster_grid"``) of three
+    warpgroups (axis ``"wg"``: two compute warpgroups and the memory warpgroup of :func:`warp_specialized`), lowered
+    with warpgroup semantics; ``out_type`` as for :func:`jax.experimental.pallas.mosaic_gpu.kernel`."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(num_sms,),
+        grid_names=("cluster_grid",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
 
 
 def persistent_tiles(tiles: tuple[int, int], grid_tile_width: int):
