@@ -89,6 +89,15 @@ def test_the_formulas_take_the_xla_paths_scaled_operands():
                                atol=1e-6 * np.abs(want["base_weight"]).max())
 
 
+def test_the_row_maxima_are_taken_a_chunk_of_rows_at_a_time_without_changing_them():
+    _, grid = _layer(0, 7, 3, grid_size=4, spline_order=3)
+    x = _x(0, 200, 7, -1.3, 1.3)
+    whole = jax.jit(lambda x: jnp.max(jnp.abs(C.left_operand(x, grid, 3)), axis=2))(x)
+    chunked = jax.jit(lambda x: C.left_maxima(x, grid, 3, chunk=64))(x)  # 4 chunks, the last padded
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+    assert chunked.shape == (4 + 3 + 1, 7)
+
+
 def test_the_benchs_xla_dc_row_is_the_formulas_products():
     from jaxgrad.bench.kan import _dcoef_variants
 

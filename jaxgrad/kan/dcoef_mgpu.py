@@ -18,7 +18,8 @@ memory and the ``[B, in, NB]`` basis is never written.
 
 **Scaling** (:mod:`jaxgrad.kan.fp16_scaled`'s model for ``a [M, K] @ b [K, N]``, applied to ``a = A^{(m)\top}``,
 ``b = g``: the operands of ``fp16_scaled.matmul(g.T, phi)`` of the XLA path, transposed): row ``(m, i)`` of ``a`` by
-:math:`2^{u_{mi}}` from :math:`\max_b |A^{(m)}_{bi}|` (XLA computes the maxima of the bases over the batch first),
+:math:`2^{u_{mi}}` from :math:`\max_b |A^{(m)}_{bi}|` (XLA computes the maxima over the batch first, a chunk of
+rows at a time: :func:`left_maxima`),
 column ``o`` of ``g`` by :math:`2^{t_o}` from its largest magnitude; the kernel accumulates the float16 products in
 fp32 and XLA unscales by :math:`2^{-u_{mi} - t_o}` exactly. The sweep is the plain one (:func:`basis_tiles.sweep`),
 not the affine form: a coefficient's column may hold only tails of its basis, where the affine form's absolute
@@ -51,7 +52,8 @@ from jaxgrad.kan.spline import bspline_basis
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "scaled_operands"]
+__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "left_maxima", "left_operand",
+           "scaled_operands"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
 
@@ -75,14 +77,29 @@ def _silu(x):
     return x * jax.nn.sigmoid(x)
 
 
-def scaled_operands(x, grid, g, spline_order: int):
-    """``u [NB+1, in]`` (rows ``(m, i)`` of the left operand, from ``max_b |A^{(m)}_{bi}|``), ``t [out]`` (columns of
-    ``g``) and ``A [NB+1, in, B]`` (float32, unscaled: the bases and ``silu(x)``, transposed)."""
+def left_operand(x, grid, spline_order: int):
+    """``A [NB+1, in, B]`` (float32, unscaled): the bases and ``silu(x)``, transposed."""
     phi = bspline_basis(x, grid, spline_order)  # [B, in, NB]
-    a = jnp.concatenate([jnp.transpose(phi, (2, 1, 0)), _silu(x).T[None]], axis=0)
-    u = fp16_scaled.scale_exponents(jnp.max(jnp.abs(a), axis=2, initial=0.0))
+    return jnp.concatenate([jnp.transpose(phi, (2, 1, 0)), _silu(x).T[None]], axis=0)
+
+
+def left_maxima(x, grid, spline_order: int, chunk: int = 2048):
+    """``max_b |A^{(m)}_{bi}|`` ``[NB+1, in]``, ``chunk`` rows of ``x`` at a time, so that no ``[B, in, NB]`` basis
+    is held (the batch is padded with copies of its first row, which leave every maximum as it is)."""
+    b = x.shape[0]
+    if b <= chunk:
+        return jnp.max(jnp.abs(left_operand(x, grid, spline_order)), axis=2)
+    n = -(-b // chunk)
+    xs = jnp.concatenate([x, jnp.broadcast_to(x[:1], (n * chunk - b, x.shape[1]))]).reshape(n, chunk, x.shape[1])
+    return jnp.max(lax.map(lambda c: jnp.max(jnp.abs(left_operand(c, grid, spline_order)), axis=2), xs), axis=0)
+
+
+def scaled_operands(x, grid, g, spline_order: int):
+    """``u [NB+1, in]`` (rows ``(m, i)`` of the left operand, from :func:`left_maxima`) and ``t [out]`` (columns of
+    ``g``, from their largest magnitudes)."""
+    u = fp16_scaled.scale_exponents(left_maxima(x, grid, spline_order))
     t = fp16_scaled.scale_exponents(jnp.max(jnp.abs(g), axis=0, initial=0.0))
-    return u, t, a
+    return u, t
 
 
 def _round16(a):
@@ -92,7 +109,8 @@ def _round16(a):
 def kan_dcoef_scaled_reference(x, grid, g, spline_order: int):
     """What :func:`kan_dcoef_mgpu` computes, in plain JAX: ``V̄ [NB+1, in, out]`` from the same float16 operands,
     float32 sums in another order, the same exact unscaling (float64 arrays: no float16 rounding)."""
-    u, t, a = scaled_operands(x, grid, g, spline_order)
+    u, t = scaled_operands(x, grid, g, spline_order)
+    a = left_operand(x, grid, spline_order)
     a16 = _round16(a * fp16_scaled.pow2(u, a.dtype)[:, :, None])
     g16 = _round16(g * fp16_scaled.pow2(t, g.dtype)[None, :])
     acc = jnp.einsum("mib,bo->mio", a16, g16, preferred_element_type=x.dtype, precision=lax.Precision.HIGHEST)
@@ -235,7 +253,7 @@ def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = No
     c = config or DcoefTiles()
     b, in_f = x.shape
     out_f = g.shape[1]
-    u, t, _ = scaled_operands(x, grid, g, k)
+    u, t = scaled_operands(x, grid, g, k)
     b_pad = -(-b // c.bb) * c.bb
     in_pad = -(-in_f // (2 * _ROWS)) * 2 * _ROWS
     out_pad = -(-out_f // c.tile_o) * c.tile_o
