@@ -65,7 +65,7 @@ from jaxgrad.train.task import Task
 
 __all__ = ["cli_task", "make_sharded_task", "param_specs", "gather_nf4", "gather_policy", "nf4_specs"]
 
-_GATHERS = ("all_gather", "all_gather_invariant")  # primitives whose outputs the layer's checkpoint never saves
+_GATHERS = ("all_gather", "all_gather_invariant")  # outputs the layer's checkpoint saves only to keep them
 _PROJ_GROUPS = ("self_attn", "mlp")
 
 
@@ -112,10 +112,11 @@ def _lazy_layer(layer: dict, specs: dict, fsdp: int, reshard_after_forward: bool
                 if k in _PROJ_GROUPS else _gather_tree(v, specs[k])) for k, v in layer.items()}
 
 
-def gather_policy(gradient_checkpointing: str):
+def gather_policy(gradient_checkpointing: str, reshard_after_forward: bool = True):
     """The ``jax.checkpoint`` policy of a layer's gather-and-block: the model's ``gradient_checkpointing`` policy,
     except that an ``all_gather``'s output (the layer's whole weights) is never saved: the backward gathers the
-    layer again, so the forward does not keep every layer's whole weights until the backward."""
+    layer again, so the forward does not keep every layer's whole weights until the backward. With
+    ``reshard_after_forward`` false it is always saved instead (the backward uses the forward's gather)."""
     if gradient_checkpointing not in CHECKPOINT_POLICIES:
         raise ValueError(f"gather_policy: 'gradient_checkpointing' must be one of {CHECKPOINT_POLICIES}, got "
                          f"{gradient_checkpointing!r}")
@@ -124,7 +125,9 @@ def gather_policy(gradient_checkpointing: str):
         or getattr(cp, gradient_checkpointing)
 
     def policy(prim, *args, **params):
-        return prim.name not in _GATHERS and user(prim, *args, **params)
+        if prim.name in _GATHERS:
+            return not reshard_after_forward
+        return user(prim, *args, **params)
     return policy
 
 
@@ -148,7 +151,7 @@ def _sharded_loss(fit: LoraFit, cfg, lcfg, path, specs, consts_specs, reference:
     recompute) unless the model asks for a checkpointing policy; the reference path (``jax.grad`` of the plain
     block) gathers before the block, under ``jax.checkpoint`` when ``fsdp > 1``."""
     base_specs = specs["base"]
-    policy = gather_policy(cfg.gradient_checkpointing)
+    policy = gather_policy(cfg.gradient_checkpointing, reshard_after_forward)
     remat = cfg.gradient_checkpointing != "none" or (reference and fsdp > 1)
     attention = ("xla" if path.attention == "pallas" else path.attention) if reference else path.attention
     backend = "reference" if reference else path.backend
