@@ -253,7 +253,7 @@ def test_whole_kib_rows_rounds_a_table_up_to_whole_kib(rows, row_bytes, expected
     assert (expected * row_bytes) % 1024 == 0
 
 
-@pytest.mark.parametrize("probe", ["products", "bases"])
+@pytest.mark.parametrize("probe", ["products", "bases", "plain"])
 def test_the_benchs_breakdown_probes_lower_for_hopper(monkeypatch, probe):
     import dataclasses
 
@@ -329,6 +329,20 @@ def test_gpu_forward_kernel_is_within_tf32s_product_model(batch, in_f, out_f, gr
     g, coef, wb = _operands(trainable, grid)
     got = jax.jit(lambda *a: F.kan_forward_mgpu(*a, order))(x, g, coef, wb)
     assert got.shape == (batch, out_f)
+    ratio = _forward_over_model(trainable, grid, x, order, got)
+    assert ratio.max() <= 1.0, ratio.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [(7, 520, 96, 20, 1), (129, 96, 96, 5, 5)])
+def test_gpu_forward_kernel_with_the_plain_sweep_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order):
+    import dataclasses
+
+    trainable, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
+    x = _x(batch, batch, in_f)
+    g, coef, wb = _operands(trainable, grid)
+    tiles = dataclasses.replace(F.ForwardTiles.for_layer(grid_size + order, order), probe="plain")
+    got = jax.jit(lambda *a: F.kan_forward_mgpu(*a, order, config=tiles))(x, g, coef, wb)
     ratio = _forward_over_model(trainable, grid, x, order, got)
     assert ratio.max() <= 1.0, ratio.max()
 

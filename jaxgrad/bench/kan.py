@@ -9,7 +9,8 @@ At the default precision with float32 arrays the XLA custom VJP is also timed wi
 and :mod:`jaxgrad.kan.dx_mgpu`, the weight gradients on the XLA custom VJP's scaled products); the forward alone
 (rows sized ``part=forward``: FLOPs a third of the layer's) on the Mosaic kernel against XLA's (and the kernel with
 256-output tiles: each basis tile computed once per 256 outputs instead of 128; and two probes of where its time
-goes, the products without the Cox-de Boor sweep and the sweep without most products), and the input gradient alone
+goes, the products without the Cox-de Boor sweep and the sweep without most products; and the kernel with the plain
+sweep instead of the affine one), and the input gradient alone
 (``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`) on the Mosaic kernels
 against XLA's scaled products.
 """
@@ -124,6 +125,7 @@ def _forward_variants(dtype, nb: int, k: int) -> dict[str, Callable]:
     # of the products
     out["mosaic forward probe: products only"] = mosaic_tiles(None, probe="products")
     out["mosaic forward probe: bases only"] = mosaic_tiles(None, probe="bases")
+    out["mosaic forward, plain sweep"] = mosaic_tiles(None, probe="plain")
     if jnp.dtype(dtype) == jnp.float32:
         out["xla forward fp16_scaled"] = fwd("xla", "fp16_scaled")
     out["xla forward"] = fwd("xla")

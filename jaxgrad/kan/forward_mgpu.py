@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgrad.kan import fp16_scaled
-from jaxgrad.kan.basis_tiles import KnotTable, affine_knot_tables, affine_sweep, pad_to
+from jaxgrad.kan.basis_tiles import KnotTable, affine_knot_tables, affine_sweep, pad_to, sweep
 from jaxgrad.kan.spline import bspline_basis
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
@@ -69,7 +69,8 @@ class ForwardTiles:
     grid_tile_width: int = 8
     # the kan bench's breakdown of the kernel's time (the result is then not the layer's): "products" issues the
     # NB + 1 products of every step with silu(x) as each left operand (no Cox-de Boor sweep); "bases" runs the sweep
-    # and issues one product a step, of the bases' sum (the ALU work without NB of the NB + 1 products)
+    # and issues one product a step, of the bases' sum (the ALU work without NB of the NB + 1 products). "plain"
+    # is the layer's result by the plain sweep (basis_tiles.sweep) instead of the affine one
     probe: str = ""
 
     def smem_bytes(self, nb: int, k: int) -> int:
@@ -272,6 +273,10 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
                     for _, basis in affine_sweep(x, tab, nb + k, k, k):
                         total = total + basis
                     plgpu.wgmma(acc_ref, (total * rs).astype(jnp.float16), v_smem.at[nb])
+                elif cfg.probe == "plain":
+                    for mb, basis in sweep(x, tab, nb + k, k):
+                        plgpu.wgmma(acc_ref, (basis * rs).astype(jnp.float16), v_smem.at[mb])
+                    plgpu.wgmma(acc_ref, (_silu(x) * rs).astype(jnp.float16), v_smem.at[nb])
                 else:
                     for mb, basis in affine_sweep(x, tab, nb + k, k, k):
                         plgpu.wgmma(acc_ref, (basis * rs).astype(jnp.float16), v_smem.at[mb])
