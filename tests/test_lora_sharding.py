@@ -82,6 +82,8 @@ for mode, layouts in (("lora", (("data", None, False, True), ("fsdp", None, Fals
             "embed_rows_per_device": emb.sharding.shard_shape(emb.shape)[0], "embed_rows": emb.shape[0],
             "lora_a_replicated": bool(lora_a.sharding.is_fully_replicated),
             "all_gathers": sum(1 for ln in hlo.splitlines() if " all-gather(" in ln or " all-gather-start(" in ln),
+            # table lookups (gather ops): each NF4 dequantisation reads the code table and the absmax codes' table
+            "lookups": sum(1 for ln in hlo.splitlines() if " gather(" in ln and "all-gather" not in ln),
             "describe": plan.describe, "shard_trainable": shard_trainable, "reshard": reshard}
 # compiled memory per device of the gradient step, a 4-layer model: the base's 1/8 as arguments, and no more than
 # about one layer's whole weights gathered at a time among the temporaries
@@ -159,6 +161,15 @@ def test_the_frozen_base_lies_one_fsdp_th_per_device_and_each_layer_is_gathered_
             assert r["all_gathers"] == 2 + gathered * per_projection + adapters, (name, r)
             assert ("gathered weights kept for the backward" in r["describe"]) is (not r["reshard"]), (name, r)
         assert r["lora_a_replicated"] is (not shard_trainable), (name, r)
+
+
+def test_keeping_qloras_gathered_weights_also_dequantises_each_projection_once(report):
+    layers, projections = 2, 7
+    runs = _runs(report)
+    again, kept = runs["qlora fsdp None False True"], runs["qlora fsdp None False False"]
+    # with the weights gathered again, every projection but the first layer's q, k, v is dequantised a second time
+    # for its backward's dY W (two table lookups each, double quantisation); kept, XLA shares the forward's
+    assert again["lookups"] - kept["lookups"] == 2 * (layers * projections - 3), (again, kept)
 
 
 def test_bad_layouts_are_refused_naming_the_key(report):
