@@ -47,7 +47,8 @@ def test_the_planned_path_passes_the_nf4_bytes_as_arguments_where_the_plain_path
 
 @pytest.mark.parametrize("mode, planned", [("qlora", True), ("lora", False)])
 def test_the_cli_takes_the_planned_path_on_the_data_mesh_for_qlora_only(mode, planned):
-    cfg = {"mesh": {"axes": "data", "fsdp": None, "shard_trainable": False}, "model": {"mode": mode}}
+    cfg = {"mesh": {"axes": "data", "fsdp": None, "shard_trainable": False, "reshard_after_forward": True},
+           "model": {"mode": mode}}
     mesh, cli_task = layout_of("lora", cfg, None, print)
     assert (mesh is not None and cli_task is not None) == planned
     if planned:
