@@ -117,14 +117,6 @@ def kan_dcoef_scaled_reference(x, grid, g, spline_order: int):
     return fp16_scaled.unscale(acc, -(u[:, :, None] + t[None, None, :]))
 
 
-def _g_transforms(bb: int):
-    """The ``g`` tiles' layout as a ``wgmma`` right operand ``[bb, tile_o]``: swizzled in groups of ``bb``
-    (the contraction) float16 elements, as the forward kernel's coefficient slabs."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return (plgpu.TilingTransform((8, bb)), plgpu.SwizzleTransform(2 * bb))
-
-
 def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_lo: int, m_hi: int, nb: int, k: int,
             n_rows: int):
     """``acc [cnt * in_pad, out_pad]`` (fp32): row block ``j`` holds basis ``m_lo + j``'s scaled products."""
@@ -143,7 +135,7 @@ def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_l
     spec = mgpu_common.smem_spec
     pipeline = mgpu_common.warp_specialized([
         spec((cta_i, bb), lambda kk: (0, kk), mgpu_common.smem_transforms(bb, jnp.float32)),
-        spec((bb, tile_o), lambda kk: (kk, 0), _g_transforms(bb)),
+        spec((bb, tile_o), lambda kk: (kk, 0), mgpu_common.rhs_transforms(bb)),
     ], b_iters, cfg.stages)
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations

@@ -194,14 +194,6 @@ def require_hopper() -> None:
                          f"backend='xla', precision='{fp16_scaled.FP16_SCALED}'")
 
 
-def _slab_transforms(bk: int):
-    """The coefficient slabs' shared-memory layout: a ``wgmma`` consumes its right operand in K groups as wide as
-    the swizzle (in elements), so the swizzle is ``bk`` float16 elements wide, whatever ``tile_n``."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    return (plgpu.TilingTransform((8, bk)), plgpu.SwizzleTransform(2 * bk))
-
-
 def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, nb: int, k: int, n_rows: int,
             split: int):
     """``acc [M, N]`` (fp32) of the scaled operands for the padded arrays (module doc). The knot table travels as
@@ -222,7 +214,7 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
         spec((cta_m, bk), lambda kk: (0, kk), mgpu_common.smem_transforms(bk, jnp.float32)),
         spec((split, bk), lambda kk: (0, kk)),
         spec((rows_shift, bk), lambda kk: (0, kk)),
-        spec((nb + 1, bk, tile_n), lambda kk: (0, kk, 0), _slab_transforms(bk)),
+        spec((nb + 1, bk, tile_n), lambda kk: (0, kk, 0), mgpu_common.rhs_transforms(bk)),
         spec((1, cta_m), lambda kk: (kk, 0)),  # the row scales, one copy per step
     ], k_iters, cfg.stages)
 

@@ -10,8 +10,8 @@ import math
 
 import jax.numpy as jnp
 
-__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "persistent_kernel", "persistent_tiles", "smem_spec",
-           "smem_transforms", "store_tile", "warp_specialized", "whole_kib_rows"]
+__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "persistent_kernel", "persistent_tiles",
+           "rhs_transforms", "smem_spec", "smem_transforms", "store_tile", "warp_specialized", "whole_kib_rows"]
 
 SMEM_ALIGN = 1024  # bytes: a 128-byte swizzle's atom (8 rows x 128 B); TMA needs at least 128
 
@@ -51,6 +51,15 @@ def whole_kib_rows(rows: int, row_bytes: int) -> int:
     follows the grid or the order are padded with zero rows to this many."""
     unit = SMEM_ALIGN // math.gcd(SMEM_ALIGN, row_bytes)
     return -(-rows // unit) * unit
+
+
+def rhs_transforms(k: int):
+    """The shared-memory layout of a float16 ``wgmma`` right operand ``[k, n]`` (``n`` minor) for a contraction of
+    ``k`` per step: ``wgmma`` consumes it in K groups as wide as the swizzle (in elements), so the swizzle is ``k``
+    float16 elements wide, whatever ``n``."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, k)), plgpu.SwizzleTransform(2 * k))
 
 
 def pad_to_multiple(t, multiples):
