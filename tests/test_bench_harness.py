@@ -136,7 +136,7 @@ def test_write_results_defaults_to_the_git_ignored_run_folder(tmp_path, monkeypa
     (["swiglu", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
     (["lora", "--budget-s", "0"], "argument --budget-s: expected a number of seconds > 0, got 0"),
     (["kan", "--sizes", "long"], "--sizes long is only defined for the lora and attention suites"),
-    (["kan", "--variants", "xla"], "--variants and --budget-s are only implemented for the lora and lora_model"),
+    (["cnn", "--variants", "xla"], "--variants and --budget-s are only implemented for the lora, lora_model"),
     (["nosuch"], "argument suite: invalid choice: 'nosuch'"),
     (["--repeats", "2", "verify_cost"], "verify_cost is a tool with its own options"),
 ])
@@ -148,6 +148,17 @@ def test_bench_script_bad_arguments_exit_2_with_one_error_line(args, needle, cap
     err = capsys.readouterr().err
     assert exc.value.code == 2 and needle in err, err
     assert [line for line in err.splitlines() if "error:" in line] == [err.splitlines()[-1]] and "Traceback" not in err
+
+
+def test_the_kan_suite_runs_only_the_variants_named_and_stops_starting_groups_past_its_budget():
+    from jaxgrad.bench.kan import suite_kan
+
+    rows = suite_kan("small", "default", repeats=1, warmup=0, variants=["xla custom_vjp"])
+    assert {r.variant for r in rows} == {"xla custom_vjp", "xla custom_vjp fp16_scaled"}
+    assert all(r.median_ms is not None for r in rows)
+    rows = suite_kan("small", "default", repeats=1, warmup=0, variants=["jax.grad"], budget_s=1e-9)
+    assert [r.variant for r in rows] == ["jax.grad(reference)"] and rows[0].median_ms is None
+    assert "time budget" in rows[0].notes and rows[0].notes.startswith("error")
 
 
 def test_bench_script_out_that_is_a_file_is_refused_before_the_suite_runs(tmp_path, capsys):

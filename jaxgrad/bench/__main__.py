@@ -15,7 +15,7 @@ from the committed ``benchmarks/results/``, and a result joins them only with ``
 The variants of a suite are timed one after the other in this process (the GPU machines are shared and noisy, so only
 side-by-side numbers are compared); the ``lora`` and ``lora_model`` suites run each variant in a fresh process instead
 (:mod:`jaxgrad.bench.fresh_process`), so that each one's peak device memory is its own; ``--variants`` and
-``--budget-s`` apply to them. Off-GPU the Pallas kernels run in interpret mode, which is slow, so ``--sizes``
+``--budget-s`` apply to them and to the ``kan`` suite. Off-GPU the Pallas kernels run in interpret mode, which is slow, so ``--sizes``
 defaults to ``small`` there and to ``full`` on a GPU.
 
 A tool (:data:`TOOLS`: the verifier's calibration sweeps, the LoRA block's profile, the f32 loss-curve drift of the
@@ -59,7 +59,8 @@ TOOLS: dict[str, str] = {
     "llama_memory": "jaxgrad.bench.llama_memory",
     "scaling": "jaxgrad.bench.scaling",
 }
-FRESH_PROCESS_SUITES = ("lora", "lora_model", "lm_head")  # each variant in a child process: --variants, --budget-s
+FRESH_PROCESS_SUITES = ("lora", "lora_model", "lm_head")  # each variant in a child process
+SELECTABLE_SUITES = (*FRESH_PROCESS_SUITES, "kan")  # --variants, --budget-s
 #: runs/bench (jaxgrad.bench.harness.DEFAULT_RESULTS_DIR, spelled out: importing the harness imports JAX, which a
 #: tool may first need to configure): git-ignored; --out benchmarks/results to commit a result
 DEFAULT_OUT = "runs/bench"
@@ -93,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jax default matmul precision for the whole run (default: %(default)s)")
     p.add_argument("--variants", default=None,
                    help="comma-separated substrings: run only the variants whose name contains one (lora, "
-                        "lora_model, lm_head suites)")
+                        "lora_model, lm_head, kan suites)")
     p.add_argument("--budget-s", type=_positive_float, default=None,
-                   help="wall-clock budget of the whole suite in seconds (lora, lora_model, lm_head suites: "
+                   help="wall-clock budget of the whole suite in seconds (lora, lora_model, lm_head, kan suites: "
                         "variants that do not fit are not started)")
     p.add_argument("--head-grad", action="store_true",
                    help="lm_head suite: also dW, the head's gradient (default: dh only; LoRA freezes the head)")
@@ -139,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--out {args.out}: {parent} exists and is not a directory")
     if args.sizes == "long" and args.suite not in ("lora", "attention"):
         parser.error(f"--sizes long is only defined for the lora and attention suites (seq 8192), not {args.suite!r}")
-    if (args.variants or args.budget_s is not None) and args.suite not in FRESH_PROCESS_SUITES:
-        parser.error(f"--variants and --budget-s are only implemented for the {' and '.join(FRESH_PROCESS_SUITES)} "
+    if (args.variants or args.budget_s is not None) and args.suite not in SELECTABLE_SUITES:
+        parser.error(f"--variants and --budget-s are only implemented for the {', '.join(SELECTABLE_SUITES)} "
                      f"suites, not {args.suite!r}")
     if args.head_grad and args.suite != "lm_head":
         parser.error(f"--head-grad is an option of the lm_head suite, not {args.suite!r}")
