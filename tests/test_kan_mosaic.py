@@ -1,6 +1,6 @@
 """``kan_linear(backend="mosaic")``: the KAN forward and the input gradient (spline and SiLU branches each) in Mosaic
-GPU kernels with the bases computed in registers (jaxgrad/kan/forward_mgpu.py, jaxgrad/kan/dx_mgpu.py), the weight
-gradients on the XLA custom VJP's scaled products.
+GPU kernels with the bases computed in registers (jaxgrad/kan/forward_mgpu.py, jaxgrad/kan/dx_mgpu.py); the weight
+gradients' kernel (jaxgrad/kan/dcoef_mgpu.py) has its own tests (test_kan_dcoef_mosaic.py), the layer's are here.
 
 The kernels' operands are :mod:`jaxgrad.kan.fp16_scaled`'s: forward ``[bases | silu(x)]`` scaled per row and
 ``[C; W^b]`` per column; dx ``g`` per row and each ``C_{..m}`` / ``W^b`` per column; float16, float32 sums, exact

@@ -5,8 +5,8 @@ of the reference and, on a GPU with torch, PyTorch autograd of efficient-kan's `
 At the default precision with float32 arrays the XLA custom VJP is also timed with ``precision="fp16_scaled"``
 (row ``xla custom_vjp fp16_scaled``: float16 operands scaled by powers of two, float32 sums,
 :mod:`jaxgrad.kan.fp16_scaled`), beside the TF32 rows of the same layer. On a Hopper GPU the layer is also timed on
-``backend="mosaic"`` (the forward and the input gradient in the Mosaic kernels of :mod:`jaxgrad.kan.forward_mgpu`
-and :mod:`jaxgrad.kan.dx_mgpu`, the weight gradients on the XLA custom VJP's scaled products); the forward alone
+``backend="mosaic"`` (the forward, the input gradient and the weight gradients in the Mosaic kernels of
+:mod:`jaxgrad.kan.forward_mgpu`, :mod:`jaxgrad.kan.dx_mgpu` and :mod:`jaxgrad.kan.dcoef_mgpu`); the forward alone
 (rows sized ``part=forward``: FLOPs a third of the layer's) on the Mosaic kernel against XLA's (and the kernel with
 256-output tiles: each basis tile computed once per 256 outputs instead of 128; and two probes of where its time
 goes, the products without the Cox-de Boor sweep and the sweep without most products; and the kernel with the plain
@@ -17,6 +17,7 @@ against XLA's scaled products.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import jax
@@ -66,8 +67,8 @@ def _kan_variants(precision_name: str, dtype=jnp.float32) -> dict[str, Callable]
     if precision_name != "highest" and jnp.dtype(dtype) == jnp.float32:  # fp16_scaled takes float32 arrays only
         scaled["xla custom_vjp fp16_scaled"] = fwd_bwd(trainable(
             lambda p, x: kan_linear(p, x, backend="xla", precision="fp16_scaled")))
-    if precision_name != "highest" and _on_hopper():  # the same scaled products; forward and dx in Mosaic kernels
-        scaled["mosaic fwd+dx, xla fp16_scaled dC"] = fwd_bwd(trainable(
+    if precision_name != "highest" and _on_hopper():  # the same scaled products in the three Mosaic kernels
+        scaled["mosaic"] = fwd_bwd(trainable(
             lambda p, x: kan_linear(p, x, backend="mosaic")))
     if precision_name == "highest":  # f32-accurate on tensor cores: three TF32 products (split hi/lo operands)
         x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
@@ -150,17 +151,16 @@ def _dx_variants() -> dict[str, Callable]:
 
 def _dcoef_variants() -> dict[str, Callable]:
     """The weight gradients alone, ``dC[o,i,m] = sum_b g[b,o] B_m(x[b,i])`` and ``dW^b = g^T silu(x)``, on the scaled
-    float16 products: the Mosaic kernel (:mod:`jaxgrad.kan.dcoef_mgpu`, not yet the layer's) against XLA's."""
+    float16 products: the Mosaic kernel (:mod:`jaxgrad.kan.dcoef_mgpu`) against XLA's."""
     from jaxgrad.kan import fp16_scaled
-    from jaxgrad.kan.dcoef_mgpu import kan_dcoef_mgpu
+    from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents
     from jaxgrad.kan.spline import bspline_basis
 
     def order(p):
         return p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
 
     def mosaic(p, x, g):
-        v = kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
-        return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+        return kan_weight_cotangents(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
 
     def xla(p, x, g):
         x = x.astype(jnp.float32)
@@ -171,11 +171,25 @@ def _dcoef_variants() -> dict[str, Callable]:
     return {"mosaic dC": jax.jit(mosaic), "xla dC fp16_scaled": jax.jit(xla)}
 
 
-def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3) -> list[bm.Row]:
-    """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x)."""
+def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants: list[str] | None = None,
+              budget_s: float | None = None) -> list[bm.Row]:
+    """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x), and its parts.
+
+    ``variants``: substrings; only the variants whose name contains one run. ``budget_s``: a group of variants
+    (one size, dtype and part) is not started once the suite has run that long; its rows say so."""
     from jaxgrad.kan.layer import KANConfig, init
 
     rows: list[bm.Row] = []
+    t_start = time.perf_counter()
+
+    def run_variants(fns, args, sizes, **kw):
+        chosen = {n: f for n, f in fns.items() if not variants or any(v in n for v in variants)}
+        if budget_s is not None and time.perf_counter() - t_start > budget_s:
+            return [bm.Row("kan", n, dict(sizes), bm.dtype_name(args), kw.get("precision") or "",
+                           notes=f"error: not run: the suite's time budget ({budget_s:.0f} s) is spent")
+                    for n in chosen]
+        return bm.run_variants("kan", chosen, args, sizes, **kw) if chosen else []
+
     dtypes = (jnp.float32,) if sizes == "small" or precision == "highest" else (jnp.float32, jnp.bfloat16)
     for cfg in KAN_CONFIGS[sizes]:
         for dtype in dtypes:
@@ -187,25 +201,26 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3)
             x = jax.random.uniform(jax.random.key(1), (cfg["batch"], cfg["features"]), jnp.float32, -1, 1)
             flops, bytes_moved = kan_cost(cfg["batch"], cfg["features"], cfg["grid_size"], cfg["spline_order"],
                                           jnp.dtype(dtype).itemsize)
-            rows += bm.run_variants("kan", _kan_variants(precision, dtype), (params, x.astype(dtype)),
-                                    sizes=dict(cfg), flops=flops, bytes_moved=bytes_moved, precision=precision,
-                                    floor_precision="highest" if precision == "highest" else "tf32",
-                                    warmup=warmup, repeats=repeats)
+            rows += run_variants(_kan_variants(precision, dtype), (params, x.astype(dtype)), sizes=dict(cfg),
+                                 flops=flops, bytes_moved=bytes_moved, precision=precision,
+                                 floor_precision="highest" if precision == "highest" else "tf32",
+                                 warmup=warmup, repeats=repeats)
             if precision != "highest" and _on_hopper():
-                variants = _forward_variants(dtype, cfg["grid_size"] + cfg["spline_order"], cfg["spline_order"])
-                rows += bm.run_variants("kan", variants, (params, x.astype(dtype)),
-                                        sizes=dict(cfg, part="forward"), flops=flops / 3, bytes_moved=bytes_moved / 2,
-                                        precision=precision, floor_precision="tf32", warmup=warmup,
-                                        repeats=repeats)
+                forward = _forward_variants(dtype, cfg["grid_size"] + cfg["spline_order"], cfg["spline_order"])
+                rows += run_variants(forward, (params, x.astype(dtype)), sizes=dict(cfg, part="forward"),
+                                     flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
+                                     floor_precision="tf32", warmup=warmup, repeats=repeats)
                 if dtype == jnp.float32:
                     g = jax.random.normal(jax.random.key(2), (cfg["batch"], cfg["features"]), jnp.float32)
-                    rows += bm.run_variants("kan", _dx_variants(), (params, x, g), sizes=dict(cfg, part="dx"),
-                                            flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
-                                            floor_precision="tf32", warmup=warmup, repeats=repeats)
-                    rows += bm.run_variants("kan", _dcoef_variants(), (params, x, g), sizes=dict(cfg, part="dC"),
-                                            flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
-                                            floor_precision="tf32", warmup=warmup, repeats=repeats)
-            if sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3:
+                    rows += run_variants(_dx_variants(), (params, x, g), sizes=dict(cfg, part="dx"),
+                                         flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
+                                         floor_precision="tf32", warmup=warmup, repeats=repeats)
+                    rows += run_variants(_dcoef_variants(), (params, x, g), sizes=dict(cfg, part="dC"),
+                                         flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
+                                         floor_precision="tf32", warmup=warmup, repeats=repeats)
+            if (sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3
+                    and (not variants or any(v in "torch efficient-kan autograd" for v in variants))
+                    and (budget_s is None or time.perf_counter() - t_start <= budget_s)):
                 row = peers.efficient_kan(cfg, "bf16" if dtype == jnp.bfloat16 else "f32",
                                           tf32=precision != "highest", repeats=repeats, warmup=warmup,
                                           flops=flops, bytes_moved=bytes_moved)

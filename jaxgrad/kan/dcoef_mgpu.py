@@ -52,8 +52,8 @@ from jaxgrad.kan.spline import bspline_basis
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "left_maxima", "left_operand",
-           "scaled_operands"]
+__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents", "left_maxima",
+           "left_operand", "scaled_operands"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
 
@@ -265,3 +265,18 @@ def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = No
         parts.append(acc.reshape(m_hi - m_lo, in_pad, out_pad))
     acc = jnp.concatenate(parts)[:, :in_f, :out_f]
     return fp16_scaled.unscale(acc, -(u[:, :, None] + t[None, None, :]))
+
+
+def kan_weight_cotangents(x, grid, g, spline_order: int):
+    r"""The layer's weight gradients on ``backend="mosaic"``: ``(dC [out, in, NB], dW^b [out, in])`` from
+    ``V̄`` (``dC_{oim} = V̄^{(m)}_{io}``, ``dW^b_{oi} = V̄^{(NB)}_{io}``): :func:`kan_dcoef_mgpu` for float32 arrays on a
+    Hopper GPU; float64 arrays (the verifier's float64 re-run, CPU tests) take :func:`kan_dcoef_scaled_reference`,
+    the same scaled products without the float16 rounding."""
+    from jaxgrad.kan.forward_mgpu import require_hopper
+
+    if x.dtype == jnp.float64:
+        v = kan_dcoef_scaled_reference(x, grid, g, spline_order)
+    else:
+        require_hopper()
+        v = kan_dcoef_mgpu(x, grid, g, spline_order)
+    return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.checks import check_float_dtype, check_key, check_precision
-from jaxgrad.kan import dx_mgpu, forward_mgpu, fp16_scaled
+from jaxgrad.kan import dcoef_mgpu, dx_mgpu, forward_mgpu, fp16_scaled
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
                                 spline_order_of)
 
@@ -363,12 +363,10 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
     silu, dsilu = _silu_and_slope(x)
     coef = _coef(p)
     nb = coef.shape[-1]
-    if backend == "mosaic":  # dx (both branches) in the Mosaic kernel; the weight gradients as on XLA, scaled
-        precision = fp16_scaled.FP16_SCALED
-        phi = bspline_basis(x, p["grid"], k)
-        dcoef = _mm(g.T, phi.reshape(n, -1), precision).reshape(out_f, in_f, nb)
+    if backend == "mosaic":  # dx (both branches) in one kernel, the weight gradients (both branches) in another
+        dcoef, dbase = dcoef_mgpu.kan_weight_cotangents(x, p["grid"], g, k)
         dx = dx_mgpu.kan_dx(x, p["grid"], coef, p["base_weight"], g, k)
-        return _weight_grads(p, g, silu, dcoef, precision), dx
+        return _weight_grads(p, g, silu, dcoef, None, dbase=dbase), dx
     if backend == "pallas":
         from jaxgrad.kan import kernels
 
@@ -386,12 +384,13 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
     return _weight_grads(p, g, silu, dcoef, precision), dx
 
 
-def _weight_grads(p, g, silu, dcoef, precision):
-    """The trained leaves' cotangents from ``dC`` (module section "Backward")."""
+def _weight_grads(p, g, silu, dcoef, precision, dbase=None):
+    """The trained leaves' cotangents from ``dC`` and ``dW^b = g^T silu(x)`` (computed here unless given; module
+    section "Backward")."""
     grads = {
         "spline_weight": dcoef * p["spline_scaler"][..., None],
         "spline_scaler": jnp.sum(dcoef * p["spline_weight"], axis=-1),
-        "base_weight": _mm(g.T, silu, precision),
+        "base_weight": _mm(g.T, silu, precision) if dbase is None else dbase,
     }
     if "bias" in p:
         grads["bias"] = jnp.sum(g, axis=0)
@@ -553,7 +552,7 @@ def audit_cases():
         # float16 operands scaled by powers of two: judged at the float16 rounding its program shows
         OpAudit("kan_linear[xla] precision=fp16_scaled", fn_for("xla", fp16_scaled.FP16_SCALED), reference,
                 make_args, ((7, 5, 3), (33, 9, 4), (129, 17, 6)), arg_names=("params", "x"), backend="xla"),
-        # the forward and dx Mosaic kernels (Hopper), on the same scaled float16 operands
+        # the Mosaic kernels (Hopper): forward, dx and the weight gradients, on the same scaled float16 operands
         OpAudit("kan_linear[mosaic]", fn_for("mosaic"), reference, make_args, ((129, 17, 6), (257, 96, 33)),
                 arg_names=("params", "x"), backend="mosaic"),
         # the scaled product alone: its own VJP (reached when the layer's backward is differentiated again)
