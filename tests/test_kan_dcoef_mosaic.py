@@ -109,6 +109,27 @@ def test_the_benchs_xla_dc_row_is_the_formulas_products():
     np.testing.assert_allclose(v[-1].T, dwb, rtol=1e-5, atol=1e-6 * np.abs(v).max())
 
 
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [(1, 96, 520, 5, 3), (7, 520, 96, 20, 1),
+                                                               (129, 17, 9, 5, 5)])
+def test_every_scaled_left_operand_the_kernel_forms_is_finite_in_float16_padded_rows_included(
+        batch, in_f, out_f, grid_size, order):
+    # the kernel multiplies the bases of every row of x^T it is given, padded ones included, by the factors 2^u
+    # taken from the real rows' maxima; a padded row of zeros has bases above those maxima (x = 0 sits inside the
+    # grid), which overflow float16, and inf * (a zero row of g) is NaN. Repeating the last row keeps them within.
+    _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
+    x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
+    ops = C.kernel_operands(x, grid, g, order, C.DcoefTiles())
+
+    def scaled(xt):
+        a = C.left_operand(xt[:in_f].T, grid, order)  # [NB+1, in, b_pad]
+        return np.asarray((a * ops["f"][:, :in_f, None]).astype(jnp.float16))
+
+    assert ops["xt"].shape[1] > batch and np.all(np.asarray(ops["g16"])[batch:] == 0)
+    assert np.isfinite(scaled(ops["xt"])).all()
+    zero_padded = jnp.zeros_like(ops["xt"]).at[:in_f, :batch].set(x.T)
+    assert batch == 129 or not np.isfinite(scaled(zero_padded)).all()  # where the check bites
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # (2) the kernel lowers for Hopper on any machine; (3) what it refuses is named
 # ---------------------------------------------------------------------------------------------------------------

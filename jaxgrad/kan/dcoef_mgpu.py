@@ -32,9 +32,10 @@ compute warpgroup brings its inputs' knot table and row factors into shared memo
 step runs the sweep up to ``m_hi`` and issues one ``wgmma`` per basis of the group. Groups are separate kernel calls
 (each walks the sweep from the first interval); XLA joins them.
 
-Scope: float32; shapes padded to the tiles (zero rows of ``g`` for padded batch rows, zero knot-table columns for
-padded inputs: every basis there is 0, and ``silu(0) = 0``). It needs a Hopper GPU: the GPU tests compare it with
-:func:`kan_dcoef_scaled_reference`; on a CPU its lowering is checked.
+Scope: float32; shapes padded to the tiles (:func:`kernel_operands`: padded batch rows repeat the last row against
+zero rows of ``g``, so that their scaled bases stay finite in float16; padded inputs have zero knot-table columns
+and factors). It needs a Hopper GPU: the GPU tests compare it with :func:`kan_dcoef_scaled_reference`; on a CPU its
+lowering and its operands are checked.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ from jaxgrad.kan.spline import bspline_basis
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents", "left_maxima",
-           "left_operand", "scaled_operands"]
+__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents", "kernel_operands",
+           "left_maxima", "left_operand", "scaled_operands"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
 
@@ -217,6 +218,32 @@ def _call(xt, g16, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, num_sms):
     return fn(xt, g16, tab, f)
 
 
+def kernel_operands(x, grid, g, spline_order: int, config: DcoefTiles) -> dict:
+    """The kernel's padded operands: ``xt [in_pad, b_pad]`` (fp32), ``g16 [b_pad, out_pad]`` (the scaled cotangent),
+    ``f [NB+1, in_pad]`` (the row factors :math:`2^{u}`), ``tab`` (the knot tables, whole KiB), and the exponents
+    ``u [NB+1, in]``, ``t [out]``.
+
+    Padded batch rows repeat the batch's last row, with zero rows of ``g``: their products vanish, and their bases
+    stay within the batch's maxima. (A zero row would not: its bases may exceed every real row's, and scaled by
+    :math:`2^{u}` overflow float16, where ``inf * 0`` is NaN.) Padded inputs have zero knot tables and factors."""
+    c = config
+    k = int(spline_order)
+    nb = grid.shape[-1] - k - 1
+    b, in_f = x.shape
+    out_f = g.shape[1]
+    u, t = scaled_operands(x, grid, g, k)
+    b_pad = -(-b // c.bb) * c.bb
+    in_pad = -(-in_f // (2 * _ROWS)) * 2 * _ROWS
+    out_pad = -(-out_f // c.tile_o) * c.tile_o
+    tab = knot_tables(grid, jnp.float32, k, nb + k + 1, in_pad)
+    return dict(
+        xt=pad_to(pad_to(x, (b_pad, in_f), mode="edge").T, (in_pad, b_pad)),
+        g16=pad_to((g * fp16_scaled.pow2(t, g.dtype)[None, :]).astype(jnp.float16), (b_pad, out_pad)),
+        f=pad_to(fp16_scaled.pow2(u, jnp.float32), (nb + 1, in_pad)),
+        tab=pad_to(tab, (mgpu_common.whole_kib_rows(tab.shape[0], 4 * _ROWS), in_pad)),
+        u=u, t=t)
+
+
 def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = None, num_sms: int | None = None):
     r"""``V̄ [NB+1, in, out]`` (float32) of the module doc: ``V̄[m] = A^{(m)\top} g`` from the scaled float16 operands,
     on the Hopper kernel (``V̄[:NB]`` transposed is the coefficients' gradient, ``V̄[NB]`` transposed the SiLU
@@ -243,28 +270,19 @@ def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = No
     if why is not None:
         raise ValueError(f"kan_dcoef_mgpu: {why}")
     c = config or DcoefTiles()
-    b, in_f = x.shape
-    out_f = g.shape[1]
-    u, t = scaled_operands(x, grid, g, k)
-    b_pad = -(-b // c.bb) * c.bb
-    in_pad = -(-in_f // (2 * _ROWS)) * 2 * _ROWS
-    out_pad = -(-out_f // c.tile_o) * c.tile_o
-    n_rows = nb + k + 1
+    ops = kernel_operands(x, grid, g, k, c)
+    in_f, out_f = x.shape[1], g.shape[1]
+    in_pad, out_pad = ops["xt"].shape[0], ops["g16"].shape[1]
     row_bytes = 4 * _ROWS  # a table row as a warpgroup copies it: its 64 inputs
-    tab = knot_tables(grid, jnp.float32, k, n_rows, in_pad)
-    tab = pad_to(tab, (mgpu_common.whole_kib_rows(tab.shape[0], row_bytes), in_pad))
-    xt = pad_to(x.T, (in_pad, b_pad))
-    g16 = pad_to((g * fp16_scaled.pow2(t, g.dtype)[None, :]).astype(jnp.float16), (b_pad, out_pad))
-    f = pad_to(fp16_scaled.pow2(u, jnp.float32), (nb + 1, in_pad))
     parts = []
     for m_lo in range(0, nb + 1, c.max_group):
         m_hi = min(nb + 1, m_lo + c.max_group)
-        f_group = pad_to(f[m_lo:m_hi], (mgpu_common.whole_kib_rows(m_hi - m_lo, row_bytes), in_pad))
-        acc = _call(xt, g16, tab, f_group, config=c, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows,
-                    num_sms=int(num_sms or _num_sms()))
+        f_group = pad_to(ops["f"][m_lo:m_hi], (mgpu_common.whole_kib_rows(m_hi - m_lo, row_bytes), in_pad))
+        acc = _call(ops["xt"], ops["g16"], ops["tab"], f_group, config=c, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k,
+                    n_rows=nb + k + 1, num_sms=int(num_sms or _num_sms()))
         parts.append(acc.reshape(m_hi - m_lo, in_pad, out_pad))
     acc = jnp.concatenate(parts)[:, :in_f, :out_f]
-    return fp16_scaled.unscale(acc, -(u[:, :, None] + t[None, None, :]))
+    return fp16_scaled.unscale(acc, -(ops["u"][:, :, None] + ops["t"][None, None, :]))
 
 
 def kan_weight_cotangents(x, grid, g, spline_order: int):
