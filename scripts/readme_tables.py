@@ -610,33 +610,34 @@ def table_scaling(results: pathlib.Path) -> list[str]:
     found = _all_json(results, "scaling-*.json", _is_scaling)
     newest: dict[tuple, tuple] = {}
     for path, data in found:
+        gpu = data["environment"].get("device_kind", "?").removeprefix("NVIDIA ")
         for r in data["environment"]["scaling"]["rows"]:
             if r.get("status") == "measured":
-                newest[(r["workload"], r["devices"], r["layout"], r.get("processes", 1))] = (path, r)
+                newest[(r["workload"], gpu, r["devices"], r["layout"], r.get("processes", 1))] = (path, r)
     if not newest:
         return ["No scaling run is committed yet."]
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     body = []
-    for key in sorted(newest, key=lambda k: (k[0], k[1], k[2] != "data", k[2], k[3])):
+    for key in sorted(newest, key=lambda k: (k[0], k[1], k[2], k[3] != "data", k[3], k[4])):
         path, r = newest[key]
         prof = (r.get("profile") or {}).get("mean") or {}
         ms = lambda name: f"{prof[name]:.1f}" if name in prof else "-"  # noqa: E731
         unit = r.get("unit", "items")
-        layout = r["layout"] + (f", {key[3]} processes" if key[3] > 1 else "")
-        body.append([r["workload"], str(r["devices"]), layout, str(r['spec'].get('batch', '-')),
+        layout = r["layout"] + (f", {key[4]} processes" if key[4] > 1 else "")
+        body.append([r["workload"], key[1], str(r["devices"]), layout, str(r['spec'].get('batch', '-')),
                      f"{r['throughput']:,.0f} {unit}", f"{r['scaling_factor']:.3f}", f"{r['efficiency']:.3f}",
                      gib(r["peak_bytes_max"]) if r.get("peak_bytes_max") else "-",
                      f"{gib(r['base_bytes_per_device'])} ({r['base_bytes_ratio']:.2f})"
                      if r.get("base_bytes_per_device") else "-",
                      ms("all_gather"), ms("all_reduce"), ms("exposed_collective"), ms("compute"),
                      f"{r['median_ms']:.1f}", f"[{_run_label(path)}]({_rel(path)})"])
-    head = ("Weak scaling on one host of H100 SXM GPUs (NVLink; `NCCL_NVLS_ENABLE=0`): the per-GPU micro-batch fixed, "
-            "each row in a fresh process (`N processes`: one per GPU), the scaling factor against the 1-GPU row of "
-            "the same run. Peak: the largest "
+    head = ("Weak scaling on one host of H100 SXM or H200 GPUs (NVLink; `NCCL_NVLS_ENABLE=0`): the per-GPU micro-batch "
+            "fixed, each row in a fresh process (`N processes`: one per GPU), the scaling factor against the 1-GPU row "
+            "of the same run (same GPU model). Peak: the largest "
             "device high-water mark. Base: the frozen base's bytes per GPU (in brackets, their share of the whole "
             "base). Collective and compute milliseconds per step from a profile of 2 steps, mean over the GPUs; "
             "exposed: collective time no compute overlaps.")
-    return [head, ""] + _table(["workload", "GPUs", "layout", "batch/GPU", "per second", "scaling", "efficiency",
+    return [head, ""] + _table(["workload", "GPU", "GPUs", "layout", "batch/GPU", "per second", "scaling", "efficiency",
                                 "peak GiB/GPU", "base GiB/GPU", "all-gather ms", "all-reduce ms", "exposed ms",
                                 "compute ms", "step ms", "run"], body)
 
