@@ -12,7 +12,11 @@
 #   bash scripts/gpu_check.sh false-alarms                 # the verifier's mixed-precision false-alarm sweep
 #   bash scripts/gpu_check.sh audit [--op NAME ...]        # `jaxgrad audit` on the GPU (all cases, or those named)
 #   bash scripts/gpu_check.sh bench lora attention         # benchmark suites (python -m jaxgrad.bench SUITE)
+#   bash scripts/gpu_check.sh bench kan -- --variants mosaic,xla --budget-s 300   # options after -- go to each suite
 #   GPU_CHECK_OUT=/tmp/x bash scripts/gpu_check.sh ...     # the folder (default runs/gpu-check/<UTC date-time>)
+#
+# The exit status is the last failing stage command's (0 when every one passed), so `gpu_check.sh tests F || ...`
+# can react to a failing test.
 #
 # Environment: GPU_CHECK_BUDGET_S (seconds a stage may take, default 540), FALSE_ALARM_RUNS (default 200),
 # FALSE_ALARM_JOBS (worker processes sharing the GPU, default 8: a verdict's time is mostly compilation, on the CPU),
@@ -38,9 +42,12 @@ header() {  # $1: the command line the log is for
        "${PYTEST_ADDOPTS:+PYTEST_ADDOPTS='$PYTEST_ADDOPTS' }$1"
 }
 
+STATUS=0
 run_logged() {  # $1: log name; the rest: the command, run under the stage's time budget
-  local log="$DIR/$1.log"; shift
-  { header "$*"; timeout "$BUDGET" "$@"; echo "# exit status $? after $SECONDS s"; } > "$log" 2>&1
+  local log="$DIR/$1.log" rc; shift
+  ( header "$*"; timeout "$BUDGET" "$@"; rc=$?; echo "# exit status $rc after $SECONDS s"; exit $rc ) > "$log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || STATUS=$rc
   tail -n 3 "$log"
 }
 
@@ -70,10 +77,13 @@ case "$stage" in
       { header "each gpu test of $file in its own process: $PY -m pytest -m gpu -q --tb=short NODE"
         for node in $("$PY" -m pytest -m gpu -q --collect-only -p no:cacheprovider "$file" 2>/dev/null | grep '::'); do
           out=$(timeout "$BUDGET" "$PY" -m pytest -m gpu -q --tb=short -p no:cacheprovider "$node" 2>&1)
-          echo "$node: exit status $?"
+          rc=$?
+          [ $rc -eq 0 ] || echo "$rc" > "$log.failed"
+          echo "$node: exit status $rc"
           echo "$out" | grep -E '^E |passed|failed|skipped|Fatal Python error' | head -n 5 | sed 's/^/    /'
         done
         echo "# done after $SECONDS s"; } > "$log" 2>&1
+      [ -f "$log.failed" ] && { STATUS=$(cat "$log.failed"); rm -f "$log.failed"; }
       tail -n 3 "$log"
     done ;;
   verify)
@@ -88,11 +98,15 @@ case "$stage" in
   audit)
     run_logged audit "$PY" -m jaxgrad.cli audit --json "$DIR/audit.json" "$@" ;;
   bench)
-    for suite in "${@:-lora}"; do
-      run_logged "bench-$suite" "$PY" -m jaxgrad.bench "$suite" --out "$DIR"
+    suites=() options=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do suites+=("$1"); shift; done
+    [ $# -gt 0 ] && { shift; options=("$@"); }
+    for suite in "${suites[@]:-lora}"; do
+      run_logged "bench-$suite" "$PY" -m jaxgrad.bench "$suite" --out "$DIR" "${options[@]}"
     done ;;
   *)
     echo "usage: bash scripts/gpu_check.sh tests GROUPS|FILES... | tests-isolated FILES... | verify | false-alarms | audit | bench [SUITES...]" >&2
     exit 2 ;;
 esac
 echo "wrote $DIR"
+exit $STATUS
