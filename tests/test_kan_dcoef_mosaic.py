@@ -6,6 +6,8 @@ exactly the layer's coefficient and SiLU-weight gradients; in float32 they stay 
 entry. (2) The kernel lowers for Hopper on any machine at odd sizes, grids and orders. (3) What it refuses is named.
 (4) On a Hopper GPU (marked ``gpu``) the kernel is within the same model at odd sizes, G 3 / 5 / 20, k 1 / 3 / 5."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +151,28 @@ def test_the_kernel_lowers_for_hopper_at_any_grid_order_and_odd_size(monkeypatch
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+def test_the_kernel_with_the_batch_split_lowers_at_odd_sizes(monkeypatch, splits):
+    monkeypatch.setattr(C, "_num_sms", lambda: 132)
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    cfg = dataclasses.replace(C.DcoefTiles(), splits=splits)
+    args = (sd(1000, 96), sd(96, 5 + 2 * 3 + 1), sd(1000, 33))
+    fn = jax.jit(lambda *a: C.kan_dcoef_mgpu(*a, 3, config=cfg))
+    assert jax.eval_shape(fn, *args).shape == (5 + 3 + 1, 96, 33)
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_batch_is_split_until_the_tiles_fill_the_sms_keeping_stages_blocks_a_chunk():
+    auto = dataclasses.replace(C.DcoefTiles(), splits=None)
+    assert C.batch_splits(auto, 16384, 512, 512, 132) == 5  # 32 tiles -> 160
+    assert C.batch_splits(auto, 16384, 512, 4096, 132) == 1  # 256 tiles already
+    assert C.batch_splits(auto, 129, 512, 512, 132) == 1  # 5 blocks of 32 rows: one chunk of >= 3
+    assert C.batch_splits(auto, 1000, 96, 33, 132) == 10  # 32 blocks, 1 tile: 10 chunks of >= 3 blocks
+    assert C.batch_splits(C.DcoefTiles(), 16384, 512, 512, 132) == 1  # the default: no split
+    ops = C.kernel_operands(_x(0, 100, 5), _layer(0, 5, 3)[1], _cotangent(1, 100, 3), 3, C.DcoefTiles(), splits=3)
+    assert ops["xt"].shape[1] == 192 and ops["g16"].shape[0] == 192  # whole blocks of 32 in each of 3 chunks
+
+
 def test_a_wrong_dtype_shape_or_grid_is_named():
     sd = lambda *shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
     with pytest.raises(ValueError, match="'g' must be float32"):
@@ -176,6 +200,22 @@ def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size,
     x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
     got = jax.jit(lambda *a: C.kan_dcoef_mgpu(*a, order))(x, grid, g)
     assert got.shape == (grid_size + order + 1, in_f, out_f)
+    ratio = _over_model(x, grid, g, order, got)
+    assert ratio.max() <= 1.0, ratio.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order,splits", [
+    (4096, 512, 512, 5, 3, None),
+    (1000, 512, 520, 20, 3, None),
+    (129, 96, 96, 5, 5, 2),
+    (7, 96, 33, 3, 1, 3),
+])
+def test_gpu_kernel_with_the_batch_split_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order, splits):
+    _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
+    x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
+    cfg = dataclasses.replace(C.DcoefTiles(), splits=splits)
+    got = jax.jit(lambda *a: C.kan_dcoef_mgpu(*a, order, config=cfg))(x, grid, g)
     ratio = _over_model(x, grid, g, order, got)
     assert ratio.max() <= 1.0, ratio.max()
 

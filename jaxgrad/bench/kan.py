@@ -11,8 +11,8 @@ At the default precision with float32 arrays the XLA custom VJP is also timed wi
 256-output tiles: each basis tile computed once per 256 outputs instead of 128; and two probes of where its time
 goes, the products without the Cox-de Boor sweep and the sweep without most products; and the kernel with the plain
 sweep instead of the affine one), and the input gradient alone
-(``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`) on the Mosaic kernels
-against XLA's scaled products.
+(``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`; also with the batch split
+into chunks until the tiles fill the SMs) on the Mosaic kernels against XLA's scaled products.
 """
 
 from __future__ import annotations
@@ -162,13 +162,23 @@ def _dcoef_variants() -> dict[str, Callable]:
     def mosaic(p, x, g):
         return kan_weight_cotangents(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
 
+    def mosaic_split(p, x, g):  # the batch cut into chunks until the tiles fill the SMs
+        import dataclasses
+
+        from jaxgrad.kan.dcoef_mgpu import DcoefTiles, kan_dcoef_mgpu
+
+        cfg = dataclasses.replace(DcoefTiles(), splits=None)
+        v = kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p), config=cfg)
+        return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+
     def xla(p, x, g):
         x = x.astype(jnp.float32)
         phi = bspline_basis(x, p["grid"].astype(jnp.float32), order(p))
         dcoef = fp16_scaled.matmul(g.T, phi.reshape(x.shape[0], -1)).reshape(g.shape[1], x.shape[1], -1)
         return dcoef, fp16_scaled.matmul(g.T, x * jax.nn.sigmoid(x))
 
-    return {"mosaic dC": jax.jit(mosaic), "xla dC fp16_scaled": jax.jit(xla)}
+    return {"mosaic dC": jax.jit(mosaic), "mosaic dC, batch split": jax.jit(mosaic_split),
+            "xla dC fp16_scaled": jax.jit(xla)}
 
 
 def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants: list[str] | None = None,

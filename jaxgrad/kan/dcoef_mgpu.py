@@ -30,7 +30,10 @@ group of at most ``max_group`` accumulators ``[64, tile_o]`` (bases ``m_lo .. m_
 streams, per block of ``bb`` batch rows, the :math:`x^\top` tile (fp32) and the ``g`` tile (fp16) by TMA. Each
 compute warpgroup brings its inputs' knot table and row factors into shared memory once per output tile, and per
 step runs the sweep up to ``m_hi`` and issues one ``wgmma`` per basis of the group. Groups are separate kernel calls
-(each walks the sweep from the first interval); XLA joins them.
+(each walks the sweep from the first interval); XLA joins them. With ``splits > 1`` (:func:`batch_splits`) a CTA
+contracts one chunk of the batch and XLA adds the chunks' partial sums: a 512 -> 512 layer has only 32 tiles of
+``128 inputs x 64 outputs``, which would leave three quarters of an H100's SMs idle. The error model is the same
+(the ``K u32`` term bounds any summation order).
 
 Scope: float32; shapes padded to the tiles (:func:`kernel_operands`: padded batch rows repeat the last row against
 zero rows of ``g``, so that their scaled bases stay finite in float16; padded inputs have zero knot-table columns
@@ -53,7 +56,7 @@ from jaxgrad.kan.spline import bspline_basis
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["DcoefTiles", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents", "kernel_operands",
+__all__ = ["DcoefTiles", "batch_splits", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents", "kernel_operands",
            "left_maxima", "left_operand", "scaled_operands"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
@@ -63,7 +66,8 @@ _ROWS = 64  # inputs per compute warpgroup: the wgmma M
 class DcoefTiles:
     """Tiles of :func:`kan_dcoef_mgpu`: ``bb`` batch rows per pipeline stage (the contraction; a multiple of 16),
     ``tile_o`` outputs per CTA, ``stages`` in flight, at most ``max_group`` accumulators ``[64, tile_o]`` per call,
-    the epilogue's pieces."""
+    the epilogue's pieces, and ``splits``: the batch cut into that many chunks, each a CTA's own contraction whose
+    partial sums XLA adds (``None``: enough chunks that the tiles fill the GPU's SMs, :func:`batch_splits`)."""
 
     bb: int = 32
     tile_o: int = 64
@@ -72,6 +76,18 @@ class DcoefTiles:
     epi_tile_m: int = 64
     epi_tile_n: int = 16
     grid_tile_width: int = 8
+    splits: int | None = 1
+
+
+def batch_splits(config: DcoefTiles, batch: int, in_f: int, out_f: int, num_sms: int) -> int:
+    """How many chunks the batch is cut into: ``config.splits``, or (``None``) the fewest that give every SM a tile,
+    ``ceil(num_sms / (input blocks x output tiles))``, at most one chunk per ``stages`` batch blocks. Without a split
+    a layer of 512 -> 512 has 4 x 8 = 32 tiles: a quarter of an H100's 132 SMs would run the whole contraction."""
+    if config.splits is not None:
+        return int(config.splits)
+    tiles = -(-in_f // (2 * _ROWS)) * -(-out_f // config.tile_o)
+    steps = -(-batch // config.bb)
+    return max(1, min(-(-num_sms // tiles), steps // config.stages))
 
 
 def _silu(x):
@@ -119,8 +135,9 @@ def kan_dcoef_scaled_reference(x, grid, g, spline_order: int):
 
 
 def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_lo: int, m_hi: int, nb: int, k: int,
-            n_rows: int):
-    """``acc [cnt * in_pad, out_pad]`` (fp32): row block ``j`` holds basis ``m_lo + j``'s scaled products."""
+            n_rows: int, splits: int):
+    """``acc [splits * cnt * in_pad, out_pad]`` (fp32): row block ``s * cnt + j`` holds basis ``m_lo + j``'s scaled
+    products over batch chunk ``s``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -130,7 +147,8 @@ def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_l
     epi_m, epi_n = cfg.epi_tile_m, cfg.epi_tile_n
     cnt = m_hi - m_lo
     cta_i = 2 * _ROWS
-    i_iters, o_iters, b_iters = n_in // cta_i, n_out // tile_o, m_rows // bb
+    chunk = m_rows // splits  # batch rows per chunk (a multiple of bb)
+    i_iters, o_iters, b_iters = n_in // cta_i, n_out // tile_o, chunk // bb
     tab_rows, f_rows = tab_gmem.shape[0], f_gmem.shape[0]
 
     spec = mgpu_common.smem_spec
@@ -156,8 +174,10 @@ def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_l
     def _scope(pipeline_allocs, out_smem, tab_smem, f_smem, bars):
         wg = lax.axis_index("wg")
 
-        @mgpu_common.persistent_tiles((i_iters, o_iters), cfg.grid_tile_width)
-        def _tile(i_idx, o_idx):
+        @mgpu_common.persistent_tiles((i_iters * splits, o_iters), cfg.grid_tile_width)
+        def _tile(is_idx, o_idx):
+            i_idx, s_idx = is_idx // splits, is_idx % splits
+            b_slice = pl.ds(s_idx * chunk, chunk)
             cta_i_slice = pl.ds(i_idx * cta_i, cta_i)
             wg_cols = pl.ds(i_idx * cta_i + wg * _ROWS, _ROWS)  # the warpgroup's inputs: table columns
             wg_i_slice = pl.ds(wg * _ROWS, _ROWS)
@@ -179,7 +199,7 @@ def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_l
                     eval_pipeline(accs)
                     for j in range(cnt):
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        rows = pl.ds(j * n_in + i_idx * cta_i, cta_i)
+                        rows = pl.ds((s_idx * cnt + j) * n_in + i_idx * cta_i, cta_i)
                         mgpu_common.store_tile(accs[j][...], out_smem, wg,
                                                out_gmem.at[rows, o_slice].at[wg_i_slice], epi_m, epi_n)
 
@@ -204,22 +224,23 @@ def _kernel(xt_gmem, g_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DcoefTiles, m_l
                 return accs
 
             pipeline(mma_body, compute_context)(
-                xt_gmem.at[cta_i_slice, :], g_gmem.at[:, o_slice], allocations=pipeline_allocs)
+                xt_gmem.at[cta_i_slice, b_slice], g_gmem.at[b_slice, o_slice], allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "m_lo", "m_hi", "nb", "k", "n_rows", "num_sms"))
-def _call(xt, g16, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, num_sms):
+@functools.partial(jax.jit, static_argnames=("config", "m_lo", "m_hi", "nb", "k", "n_rows", "num_sms", "splits"))
+def _call(xt, g16, tab, f, *, config, m_lo, m_hi, nb, k, n_rows, num_sms, splits):
     fn = mgpu_common.persistent_kernel(
-        functools.partial(_kernel, cfg=config, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows),
-        jax.ShapeDtypeStruct(((m_hi - m_lo) * xt.shape[0], g16.shape[1]), jnp.float32),
+        functools.partial(_kernel, cfg=config, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k, n_rows=n_rows, splits=splits),
+        jax.ShapeDtypeStruct((splits * (m_hi - m_lo) * xt.shape[0], g16.shape[1]), jnp.float32),
         num_sms)
     return fn(xt, g16, tab, f)
 
 
-def kernel_operands(x, grid, g, spline_order: int, config: DcoefTiles) -> dict:
-    """The kernel's padded operands: ``xt [in_pad, b_pad]`` (fp32), ``g16 [b_pad, out_pad]`` (the scaled cotangent),
+def kernel_operands(x, grid, g, spline_order: int, config: DcoefTiles, splits: int = 1) -> dict:
+    """The kernel's padded operands (the batch padded to whole ``bb`` blocks in each of ``splits`` chunks):
+    ``xt [in_pad, b_pad]`` (fp32), ``g16 [b_pad, out_pad]`` (the scaled cotangent),
     ``f [NB+1, in_pad]`` (the row factors :math:`2^{u}`), ``tab`` (the knot tables, whole KiB), and the exponents
     ``u [NB+1, in]``, ``t [out]``.
 
@@ -232,7 +253,7 @@ def kernel_operands(x, grid, g, spline_order: int, config: DcoefTiles) -> dict:
     b, in_f = x.shape
     out_f = g.shape[1]
     u, t = scaled_operands(x, grid, g, k)
-    b_pad = -(-b // c.bb) * c.bb
+    b_pad = -(-b // (c.bb * splits)) * c.bb * splits
     in_pad = -(-in_f // (2 * _ROWS)) * 2 * _ROWS
     out_pad = -(-out_f // c.tile_o) * c.tile_o
     tab = knot_tables(grid, jnp.float32, k, nb + k + 1, in_pad)
@@ -270,7 +291,9 @@ def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = No
     if why is not None:
         raise ValueError(f"kan_dcoef_mgpu: {why}")
     c = config or DcoefTiles()
-    ops = kernel_operands(x, grid, g, k, c)
+    sms = int(num_sms or _num_sms())
+    splits = batch_splits(c, x.shape[0], x.shape[1], g.shape[1], sms)
+    ops = kernel_operands(x, grid, g, k, c, splits)
     in_f, out_f = x.shape[1], g.shape[1]
     in_pad, out_pad = ops["xt"].shape[0], ops["g16"].shape[1]
     row_bytes = 4 * _ROWS  # a table row as a warpgroup copies it: its 64 inputs
@@ -279,8 +302,8 @@ def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = No
         m_hi = min(nb + 1, m_lo + c.max_group)
         f_group = pad_to(ops["f"][m_lo:m_hi], (mgpu_common.whole_kib_rows(m_hi - m_lo, row_bytes), in_pad))
         acc = _call(ops["xt"], ops["g16"], ops["tab"], f_group, config=c, m_lo=m_lo, m_hi=m_hi, nb=nb, k=k,
-                    n_rows=nb + k + 1, num_sms=int(num_sms or _num_sms()))
-        parts.append(acc.reshape(m_hi - m_lo, in_pad, out_pad))
+                    n_rows=nb + k + 1, num_sms=sms, splits=splits)
+        parts.append(jnp.sum(acc.reshape(splits, m_hi - m_lo, in_pad, out_pad), axis=0))
     acc = jnp.concatenate(parts)[:, :in_f, :out_f]
     return fp16_scaled.unscale(acc, -(ops["u"][:, :, None] + ops["t"][None, None, :]))
 
