@@ -3,7 +3,8 @@
     python -m jaxgrad.bench SUITE [--sizes small|full|long] [--out runs/bench] [--repeats N] [--warmup N]
                                   [--precision default|highest] [--variants SUBSTR,...] [--budget-s S]
     python -m jaxgrad.bench TOOL [its own options]     # verify_cost, verify_false_alarms, verify_detection_limits,
-                                                       # verify_detection_timing, lora_profile, lora_curve_drift,
+                                                       # verify_detection_timing, lora_profile, kan_profile,
+                                                       # lora_curve_drift,
                                                        # nf4_matmul, tf32_rounding, llama_real, scaling
 
 A timing suite (:data:`SUITES`) prints its table and writes it to
@@ -18,7 +19,7 @@ side-by-side numbers are compared); the ``lora`` and ``lora_model`` suites run e
 ``--budget-s`` apply to them and to the ``kan`` suite. Off-GPU the Pallas kernels run in interpret mode, which is slow, so ``--sizes``
 defaults to ``small`` there and to ``full`` on a GPU.
 
-A tool (:data:`TOOLS`: the verifier's calibration sweeps, the LoRA block's profile, the f32 loss-curve drift of the
+A tool (:data:`TOOLS`: the verifier's calibration sweeps, the LoRA block's and the KAN layer's profiles, the f32 loss-curve drift of the
 LoRA paths, the NF4 matmul tile sweep, the GPU's TF32 rounding mode) has its own options;
 ``python -m jaxgrad.bench TOOL --help`` lists them. Every tool writes its header (device, versions, commit,
 uncommitted changes, command line) first, and names its result files the same way.
@@ -52,6 +53,7 @@ TOOLS: dict[str, str] = {
     "verify_detection_limits": "jaxgrad.bench.verify_detection_limits",
     "verify_detection_timing": "jaxgrad.bench.verify_detection_timing",
     "lora_profile": "jaxgrad.bench.lora_profile",
+    "kan_profile": "jaxgrad.bench.kan_profile",
     "lora_curve_drift": "jaxgrad.bench.lora_curve_drift",
     "nf4_matmul": "jaxgrad.bench.nf4_matmul",
     "tf32_rounding": "jaxgrad.bench.tf32_rounding",

@@ -69,7 +69,7 @@ def variant_table(name: str, rows: list[OpRow], meta: dict, top: int = 40) -> st
     lines.append(f"GPU busy per step (sum of kernel times): {busy:.3f} ms in {sum(r.launches for r in rows):.0f} "
                  f"kernel launches of {len(rows)} ops; idle/launch gap vs profiled wall: "
                  f"{_f(None if wall_p is None else wall_p - busy)} ms; sum of op floors {floor:.3f} ms "
-                 f"(the FLOP floor of the block, jaxgrad.bench.lora_block, is separate: see header)")
+                 f"(the model's FLOP floor is separate: see header)")
     lines.append(f"events: {meta.get('events_from', '?')}")
     # by category
     cats: dict[str, list[OpRow]] = collections.defaultdict(list)
