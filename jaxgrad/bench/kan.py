@@ -12,7 +12,9 @@ At the default precision with float32 arrays the XLA custom VJP is also timed wi
 goes, the products without the Cox-de Boor sweep and the sweep without most products; and the kernel with the plain
 sweep instead of the affine one), and the input gradient alone
 (``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`; also with the batch split
-into chunks until the tiles fill the SMs) on the Mosaic kernels against XLA's scaled products.
+into chunks until the tiles fill the SMs) on the Mosaic kernels against XLA's scaled products. With float32 arrays
+the bases alone are timed too (``part=bases``): efficient-kan's recursion against the per-output form the XLA path
+uses, written as float16.
 """
 
 from __future__ import annotations
@@ -149,12 +151,40 @@ def _dx_variants() -> dict[str, Callable]:
     return {"mosaic dx": dx("mosaic"), "xla dx fp16_scaled": dx("xla")}
 
 
+def _basis_variants() -> dict[str, Callable]:
+    """The bases alone, written as float16 (what the scaled products consume): efficient-kan's recursion (each level
+    sliced: ``bspline_basis``) against the recursion written per output basis (``bspline_basis_elementwise``, the XLA
+    path's), and the bases with their derivatives (the backward's ``bspline_basis_and_derivative``)."""
+    from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, bspline_basis_derivative,
+                                    bspline_basis_elementwise)
+
+    def order(p):
+        return p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
+
+    def f16(basis):
+        return lambda p, x: basis(x.astype(jnp.float32), p["grid"].astype(jnp.float32), order(p)).astype(jnp.float16)
+
+    def pair(fn):
+        def f(p, x):
+            b, d = fn(x.astype(jnp.float32), p["grid"].astype(jnp.float32), order(p))
+            return b.astype(jnp.float16), d.astype(jnp.float16)
+        return f
+
+    def separate(x, grid, k):
+        return bspline_basis(x, grid, k), bspline_basis_derivative(x, grid, k)
+
+    return {"bases, efficient-kan recursion": jax.jit(f16(bspline_basis)),
+            "bases, elementwise": jax.jit(f16(bspline_basis_elementwise)),
+            "bases + derivatives, efficient-kan recursion": jax.jit(pair(separate)),
+            "bases + derivatives, elementwise": jax.jit(pair(bspline_basis_and_derivative))}
+
+
 def _dcoef_variants() -> dict[str, Callable]:
     """The weight gradients alone, ``dC[o,i,m] = sum_b g[b,o] B_m(x[b,i])`` and ``dW^b = g^T silu(x)``, on the scaled
     float16 products: the Mosaic kernel (:mod:`jaxgrad.kan.dcoef_mgpu`) against XLA's."""
     from jaxgrad.kan import fp16_scaled
     from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents
-    from jaxgrad.kan.spline import bspline_basis
+    from jaxgrad.kan.spline import bspline_basis_elementwise
 
     def order(p):
         return p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
@@ -173,7 +203,7 @@ def _dcoef_variants() -> dict[str, Callable]:
 
     def xla(p, x, g):
         x = x.astype(jnp.float32)
-        phi = bspline_basis(x, p["grid"].astype(jnp.float32), order(p))
+        phi = bspline_basis_elementwise(x, p["grid"].astype(jnp.float32), order(p))
         dcoef = fp16_scaled.matmul(g.T, phi.reshape(x.shape[0], -1)).reshape(g.shape[1], x.shape[1], -1)
         return dcoef, fp16_scaled.matmul(g.T, x * jax.nn.sigmoid(x))
 
@@ -215,6 +245,11 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3,
                                  flops=flops, bytes_moved=bytes_moved, precision=precision,
                                  floor_precision="highest" if precision == "highest" else "tf32",
                                  warmup=warmup, repeats=repeats)
+            if dtype == jnp.float32:  # the bases alone: read x, write [B, in, NB] float16
+                nb = cfg["grid_size"] + cfg["spline_order"]
+                rows += run_variants(_basis_variants(), (params, x), sizes=dict(cfg, part="bases"), flops=None,
+                                     bytes_moved=cfg["batch"] * cfg["features"] * (4 + 2 * nb), precision=precision,
+                                     floor_precision="elementwise", warmup=warmup, repeats=repeats)
             if precision != "highest" and _on_hopper():
                 forward = _forward_variants(dtype, cfg["grid_size"] + cfg["spline_order"], cfg["spline_order"])
                 rows += run_variants(forward, (params, x.astype(dtype)), sizes=dict(cfg, part="forward"),

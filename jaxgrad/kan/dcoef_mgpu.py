@@ -52,7 +52,7 @@ from jax import lax
 
 from jaxgrad.kan import fp16_scaled
 from jaxgrad.kan.basis_tiles import KnotTable, knot_tables, pad_to, sweep
-from jaxgrad.kan.spline import bspline_basis
+from jaxgrad.kan.spline import bspline_basis_elementwise
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
@@ -96,7 +96,7 @@ def _silu(x):
 
 def left_operand(x, grid, spline_order: int):
     """``A [NB+1, in, B]`` (float32, unscaled): the bases and ``silu(x)``, transposed."""
-    phi = bspline_basis(x, grid, spline_order)  # [B, in, NB]
+    phi = bspline_basis_elementwise(x, grid, spline_order)  # [B, in, NB]
     return jnp.concatenate([jnp.transpose(phi, (2, 1, 0)), _silu(x).T[None]], axis=0)
 
 

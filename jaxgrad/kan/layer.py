@@ -34,8 +34,8 @@ import numpy as np
 
 from jaxgrad.checks import check_float_dtype, check_key, check_precision
 from jaxgrad.kan import dcoef_mgpu, dx_mgpu, forward_mgpu, fp16_scaled
-from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, curve_to_coefficients, make_grid,
-                                spline_order_of)
+from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, bspline_basis_elementwise,
+                                curve_to_coefficients, make_grid, spline_order_of)
 
 __all__ = ["DEFAULT_SCALE_NOISE", "INITS", "KANConfig", "check_params", "init", "kan_linear", "kan_linear_reference",
            "spline_order", "trainable_mask"]
@@ -348,7 +348,7 @@ def _forward_math(p, x, k, backend, precision, interpret):
         spline = kernels.kan_spline_forward(x, p["grid"], coef, k, precision=precision, interpret=interpret)
         y = y + spline.astype(y.dtype)
     else:
-        phi = bspline_basis(x, p["grid"], k).reshape(x.shape[0], -1)  # [N, in*(G+k)]
+        phi = bspline_basis_elementwise(x, p["grid"], k).reshape(x.shape[0], -1)  # [N, in*(G+k)], fused
         y = y + _mm(phi, coef.reshape(out_f, -1).T, precision, a_bound=1.0)  # bases lie in [0, 1]
     if "bias" in p:
         y = y + p["bias"]

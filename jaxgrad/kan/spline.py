@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["bspline_basis", "bspline_basis_and_derivative", "bspline_basis_derivative", "curve_to_coefficients", "make_grid", "spline_order_of"]
+__all__ = ["bspline_basis", "bspline_basis_and_derivative", "bspline_basis_derivative", "bspline_basis_elementwise",
+           "curve_to_coefficients", "make_grid", "spline_order_of"]
 
 
 def _is_int(value) -> bool:
@@ -99,6 +100,22 @@ def _bases_of_degree(x, grid, degree):
     return b
 
 
+def _bases_by_offset(x, t, degree: int, top: int, nb: int):
+    """The recursion written per output basis: for every ``m < nb`` (one ``[..., in, nb]`` array per offset), the
+    degree-``top`` bases :math:`B^{top}_{m+o}(x)`, ``o = 0 .. degree - top``, from the ``degree + 1`` indicators
+    :math:`B^0_{m+o}`. Each level takes the same operations per entry as :func:`_cox_de_boor_step`, but no array the
+    recursion computes is sliced: only the knots are (``t_{m+j}``, ``[in, nb]``), so the program is elementwise
+    over ``[..., in, nb]`` and XLA fuses it into the consumer (no level, and no basis, written to memory). Returns
+    ``(bases, shifted knots)``."""
+    xe = x[..., None]
+    tm = [t[:, j:j + nb] for j in range(degree + 2)]  # tm[j][i, m] = t_{m+j}
+    b = [((xe >= tm[o]) & (xe < tm[o + 1])).astype(x.dtype) for o in range(degree + 1)]
+    for p in range(1, top + 1):
+        b = [_safe_div(xe - tm[o], tm[o + p] - tm[o]) * b[o]
+             + _safe_div(tm[o + p + 1] - xe, tm[o + p + 1] - tm[o + 1]) * b[o + 1] for o in range(degree + 1 - p)]
+    return b, tm
+
+
 def _derivative_from_lower(t, lower, k):
     """``dB^k_j/dx = k [B^{k-1}_j/(t_{j+k}-t_j) - B^{k-1}_{j+1}/(t_{j+k+1}-t_{j+1})]`` from the degree-(k-1) bases."""
     return k * (_safe_div(lower[..., :-1], t[:, k:-1] - t[:, : -(k + 1)])
@@ -132,6 +149,17 @@ def bspline_basis(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array
     return _bases_of_degree(x, grid.astype(x.dtype), spline_order)
 
 
+def bspline_basis_elementwise(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
+    """:func:`bspline_basis` with the recursion written per output basis (:func:`_bases_by_offset`): the same
+    operations per entry (equal to rounding: XLA may contract a product and a sum differently), and a program that is
+    elementwise over ``[..., in, G+k]``, which XLA fuses into whatever consumes the bases. About ``(k+1)(k+2)/2``
+    values per entry instead of ``k``, and no intermediate array: the form the layer's XLA path uses."""
+    spline_order = _check_basis_args("bspline_basis_elementwise", x, grid, spline_order, 0)
+    t = grid.astype(x.dtype)
+    nb = t.shape[-1] - spline_order - 1
+    return _bases_by_offset(x, t, spline_order, spline_order, nb)[0][0]
+
+
 def bspline_basis_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -> jax.Array:
     """``dB_m/dx`` by the equation in the module docstring: ``[..., in, G+k]`` (``spline_order`` in 1..5)."""
     spline_order = _check_basis_args("bspline_basis_derivative", x, grid, spline_order, 1)
@@ -140,12 +168,16 @@ def bspline_basis_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -
 
 
 def bspline_basis_and_derivative(x: jax.Array, grid: jax.Array, spline_order: int) -> tuple[jax.Array, jax.Array]:
-    """``(bspline_basis, bspline_basis_derivative)`` sharing one recursion up to degree ``k - 1`` (same operations,
-    so bitwise the same values as the two separate functions)."""
-    spline_order = _check_basis_args("bspline_basis_and_derivative", x, grid, spline_order, 1)
+    """``(bspline_basis, bspline_basis_derivative)`` sharing one recursion up to degree ``k - 1``, written per output
+    basis as :func:`bspline_basis_elementwise` is (the same operations per entry: equal to rounding; elementwise
+    over ``[..., in, G+k]``, so XLA fuses both into their consumers)."""
+    k = _check_basis_args("bspline_basis_and_derivative", x, grid, spline_order, 1)
     t = grid.astype(x.dtype)
-    lower = _bases_of_degree(x, t, spline_order - 1)
-    return _cox_de_boor_step(x[..., None], t, lower, spline_order), _derivative_from_lower(t, lower, spline_order)
+    (b0, b1), tm = _bases_by_offset(x, t, k, k - 1, t.shape[-1] - k - 1)
+    xe = x[..., None]
+    basis = _safe_div(xe - tm[0], tm[k] - tm[0]) * b0 + _safe_div(tm[k + 1] - xe, tm[k + 1] - tm[1]) * b1
+    # dB^k_m/dx = k [B^{k-1}_m / (t_{m+k} - t_m) - B^{k-1}_{m+1} / (t_{m+k+1} - t_{m+1})]
+    return basis, k * (_safe_div(b0, tm[k] - tm[0]) - _safe_div(b1, tm[k + 1] - tm[1]))
 
 
 def curve_to_coefficients(x: jax.Array, y: jax.Array, grid: jax.Array, spline_order: int,
