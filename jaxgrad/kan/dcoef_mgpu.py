@@ -56,8 +56,8 @@ from jaxgrad.kan.spline import bspline_basis_elementwise
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["DcoefTiles", "batch_splits", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents", "kernel_operands",
-           "left_maxima", "left_operand", "scaled_operands"]
+__all__ = ["DcoefTiles", "batch_splits", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents",
+           "kernel_operands", "left_maxima", "left_operand", "scaled_operands"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
 
