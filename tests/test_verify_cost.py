@@ -162,6 +162,31 @@ def test_magnitudes_their_kink_pass_and_the_oracle_share_one_compilation():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_verifier_compiles_its_own_programs_at_level_0_on_the_cpu_except_those_that_convolve(monkeypatch):
+    # level 0 compiles fast and runs a GEMM (a library call) as fast; a convolution is emitted as loops, which level
+    # 0 leaves about ten times slower, and the magnitude program runs once per replica as the float64 oracle
+    from jaxgrad.verify import cost, magnitude
+
+    assert cost.options("cpu") == {"xla_backend_optimization_level": 0}
+    assert cost.options("cpu", convolves=True) == {"xla_backend_optimization_level": cost.CONVOLVING_CPU_LEVEL}
+    assert cost.CONVOLVING_CPU_LEVEL > 0
+    assert "xla_backend_optimization_level" not in cost.options("gpu", convolves=True)
+
+    seen = []
+    monkeypatch.setattr(cost, "jit", lambda fun, *, convolves=False, **kw: seen.append(convolves) or jax.jit(fun))
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((1, 5, 5, 2)), rng.standard_normal((3, 3, 2, 3))
+    with jax.enable_x64(True):
+        magnitude._Program(lambda x, w: jax.nn.relu(conv(x, w)), (x, w))
+        magnitude._Program(lambda x, w: jax.jit(conv)(x, w), (x, w))  # inside a nested jaxpr
+        magnitude._Program(lambda x, w: jnp.tanh(x.reshape(5, 10) @ w.reshape(2, 27)[:, :10].T), (x, w))
+    assert seen == [True, True, False]
+
+
 def test_a_verdict_compiles_a_handful_of_programs():
     # fn's VJP as called (read again for its precision), the magnitude program (which is also the float64 oracle),
     # the emulated replicas (all of them in one program), fn's float64 VJP, the finite differences' loss and the

@@ -355,6 +355,12 @@ def _count_eqns(jaxpr: jcore.Jaxpr) -> int:
     return n
 
 
+def _convolves(jaxpr: jcore.Jaxpr) -> bool:
+    """Whether ``jaxpr`` (or a jaxpr inside it) has a convolution (the compiler options depend on it: cost.jit)."""
+    return any(eqn.primitive.name == "conv_general_dilated"
+               or any(_convolves(sub) for sub in jcore.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns)
+
+
 class _Program:
     """The magnitude interpreter of one ``fn`` at one argument signature, traced and compiled once (module doc of
     :func:`magnitudes`)."""
@@ -382,7 +388,7 @@ class _Program:
                     [s.mag if s.mag is not None else jnp.zeros(jnp.shape(s.val)) for s in outs], kinks, uncertain)
 
         flat = jax.tree.leaves(args)
-        self.compiled = cost.jit(run).trace(self.consts, flat, np.zeros(self.capacity, self.dtype)).lower().compile()
+        self.compiled = cost.jit(run, convolves=_convolves(closed.jaxpr)).trace(self.consts, flat, np.zeros(self.capacity, self.dtype)).lower().compile()
         self.terms = n_holder[-1]
         self.slots = dict(radii.slots)
         self.approximated = tuple(sorted(interp.approximated))
