@@ -168,7 +168,8 @@ def test_the_batch_is_split_until_the_tiles_fill_the_sms_keeping_stages_blocks_a
     assert C.batch_splits(auto, 16384, 512, 4096, 132) == 1  # 256 tiles already
     assert C.batch_splits(auto, 129, 512, 512, 132) == 1  # 5 blocks of 32 rows: one chunk of >= 3
     assert C.batch_splits(auto, 1000, 96, 33, 132) == 10  # 32 blocks, 1 tile: 10 chunks of >= 3 blocks
-    assert C.batch_splits(C.DcoefTiles(), 16384, 512, 512, 132) == 1  # the default: no split
+    assert C.batch_splits(C.DcoefTiles(), 16384, 512, 512, 132) == 5  # the default: the split that fills the SMs
+    assert C.batch_splits(dataclasses.replace(C.DcoefTiles(), splits=1), 16384, 512, 512, 132) == 1
     ops = C.kernel_operands(_x(0, 100, 5), _layer(0, 5, 3)[1], _cotangent(1, 100, 3), 3, C.DcoefTiles(), splits=3)
     assert ops["xt"].shape[1] == 192 and ops["g16"].shape[0] == 192  # whole blocks of 32 in each of 3 chunks
 
@@ -195,7 +196,7 @@ def test_a_wrong_dtype_shape_or_grid_is_named():
     (4096, 512, 512, 5, 3),
     (1000, 512, 512, 20, 3),
 ])
-def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order):
+def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order):  # default tiles (split)
     _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
     x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
     got = jax.jit(lambda *a: C.kan_dcoef_mgpu(*a, order))(x, grid, g)
@@ -210,6 +211,8 @@ def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size,
     (1000, 512, 520, 20, 3, None),
     (129, 96, 96, 5, 5, 2),
     (7, 96, 33, 3, 1, 3),
+    (4096, 512, 512, 5, 3, 1),  # one chunk: the whole batch in each tile's contraction
+    (7, 520, 96, 20, 1, 1),
 ])
 def test_gpu_kernel_with_the_batch_split_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order, splits):
     _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)

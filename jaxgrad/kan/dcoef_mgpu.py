@@ -76,7 +76,7 @@ class DcoefTiles:
     epi_tile_m: int = 64
     epi_tile_n: int = 16
     grid_tile_width: int = 8
-    splits: int | None = 1
+    splits: int | None = None
 
 
 def batch_splits(config: DcoefTiles, batch: int, in_f: int, out_f: int, num_sms: int) -> int:

@@ -375,6 +375,10 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
         dx_spline, dcoef = dx_spline.astype(x.dtype), dcoef.astype(x.dtype)
     else:
         phi, dphi = bspline_basis_and_derivative(x, p["grid"], k)  # recomputed here, never a residual
+        if _is_fp16_scaled(precision):
+            # computed once into memory: the scaled dC product reads phi twice (its maxima over the batch, then
+            # the float16 copy), and XLA would otherwise evaluate the bases inside that column reduction again
+            phi, dphi = jax.lax.optimization_barrier((phi, dphi))
         # dC[o,i,m] = sum_b g[b,o] B_m(x_bi)
         dcoef = _mm(g.T, phi.reshape(n, -1), precision).reshape(out_f, in_f, nb)
         # sum_o g[b,o] sum_m C[o,i,m] B'_m(x_bi)
