@@ -151,11 +151,11 @@ def test_the_kernel_lowers_for_hopper_at_any_grid_order_and_odd_size(monkeypatch
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("splits", [None, 3])
-def test_the_kernel_with_the_batch_split_lowers_at_odd_sizes(monkeypatch, splits):
+@pytest.mark.parametrize("tiles", [dict(splits=None), dict(splits=3), dict(splits=1), dict(max_group=5)])
+def test_the_kernel_with_the_batch_split_lowers_at_odd_sizes(monkeypatch, tiles):
     monkeypatch.setattr(C, "_num_sms", lambda: 132)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    cfg = dataclasses.replace(C.DcoefTiles(), splits=splits)
+    cfg = dataclasses.replace(C.DcoefTiles(), **tiles)
     args = (sd(1000, 96), sd(96, 5 + 2 * 3 + 1), sd(1000, 33))
     fn = jax.jit(lambda *a: C.kan_dcoef_mgpu(*a, 3, config=cfg))
     assert jax.eval_shape(fn, *args).shape == (5 + 3 + 1, 96, 33)

@@ -277,6 +277,18 @@ def test_the_benchs_xla_dx_row_is_the_layers_input_gradient():
                                rtol=1e-5)
 
 
+def test_forward_tiles_are_256_outputs_wide_where_the_layer_has_them_and_they_fit():
+    # each CTA evaluates its basis tiles once per tile_n outputs: the widest tile that fits halves the sweeps
+    assert F.ForwardTiles.for_layer(8, 3, out_f=512).tile_n == 256  # G 5, k 3
+    assert F.ForwardTiles.for_layer(10, 5, out_f=520).tile_n == 128  # G 5, k 5: 11 slabs of 256 do not fit twice
+    assert F.ForwardTiles.for_layer(8, 3, out_f=96).tile_n == 128  # fewer outputs than one wide tile
+    assert F.ForwardTiles.for_layer(23, 3, out_f=512).tile_n == 64  # G 20: nor 24 slabs of 128
+    assert F.ForwardTiles.for_layer(8, 3, tile_n=128).tile_n == 128  # the width asked for
+    for nb, k, out_f in ((8, 3, 512), (10, 5, 520), (23, 3, 512), (4, 1, 96)):
+        t = F.ForwardTiles.for_layer(nb, k, out_f=out_f)
+        assert t.smem_bytes(nb, k) <= 227 * 1024 and t.stages == 2, (nb, k, t)
+
+
 def test_tiles_fit_shared_memory_for_every_grid_the_benchmarks_use():
     for nb, k in ((8, 3), (23, 3), (10, 5), (4, 1), (53, 3), (105, 5)):
         t = F.ForwardTiles.for_layer(nb, k)

@@ -8,12 +8,12 @@ At the default precision with float32 arrays the XLA custom VJP is also timed wi
 ``backend="mosaic"`` (the forward, the input gradient and the weight gradients in the Mosaic kernels of
 :mod:`jaxgrad.kan.forward_mgpu`, :mod:`jaxgrad.kan.dx_mgpu` and :mod:`jaxgrad.kan.dcoef_mgpu`); the forward alone
 (rows sized ``part=forward``: FLOPs a third of the layer's) on the Mosaic kernel against XLA's (and the kernel with
-256-output tiles: each basis tile computed once per 256 outputs instead of 128; and two probes of where its time
+128-output tiles: each basis tile computed once per 128 outputs instead of the default's 256; and two probes of where its time
 goes, the products without the Cox-de Boor sweep and the sweep without most products; and the kernel with the plain
 sweep instead of the affine one), and the input gradient alone
-(``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`; also with the batch split
-into chunks until the tiles fill the SMs) on the Mosaic kernels against XLA's scaled products. With float32 arrays
-the bases alone are timed too (``part=bases``): efficient-kan's recursion against the per-output form the XLA path
+(``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`, the batch split until the
+tiles fill the SMs; also in one chunk, and in groups of 5 accumulators) on the Mosaic kernels against XLA's scaled
+products. With float32 arrays the bases alone are timed too (``part=bases``): efficient-kan's recursion against the per-output form the XLA path
 uses, written as float16.
 """
 
@@ -122,8 +122,8 @@ def _forward_variants(dtype, nb: int, k: int) -> dict[str, Callable]:
         return jax.jit(f)
 
     out = {"mosaic forward": fwd("mosaic")}
-    if _tiles_fit(nb, k, 256):
-        out["mosaic forward tile_n=256"] = mosaic_tiles(256)
+    if _tiles_fit(nb, k, 128):  # the default's width below 256 outputs, and where 256 does not fit
+        out["mosaic forward tile_n=128"] = mosaic_tiles(128)
     # where the kernel's time goes (results not the layer's): the products without the sweep, the sweep without NB
     # of the products
     out["mosaic forward probe: products only"] = mosaic_tiles(None, probe="products")
@@ -192,14 +192,17 @@ def _dcoef_variants() -> dict[str, Callable]:
     def mosaic(p, x, g):
         return kan_weight_cotangents(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
 
-    def mosaic_one_chunk(p, x, g):  # the whole batch in each tile's contraction: 32 tiles at 512 -> 512
+    def mosaic_tiles(**tiles):
         import dataclasses
 
         from jaxgrad.kan.dcoef_mgpu import DcoefTiles, kan_dcoef_mgpu
 
-        cfg = dataclasses.replace(DcoefTiles(), splits=1)
-        v = kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p), config=cfg)
-        return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+        cfg = dataclasses.replace(DcoefTiles(), **tiles)
+
+        def f(p, x, g):
+            v = kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p), config=cfg)
+            return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+        return f
 
     def xla(p, x, g):
         x = x.astype(jnp.float32)
@@ -207,7 +210,10 @@ def _dcoef_variants() -> dict[str, Callable]:
         dcoef = fp16_scaled.matmul(g.T, phi.reshape(x.shape[0], -1)).reshape(g.shape[1], x.shape[1], -1)
         return dcoef, fp16_scaled.matmul(g.T, x * jax.nn.sigmoid(x))
 
-    return {"mosaic dC": jax.jit(mosaic), "mosaic dC, one batch chunk": jax.jit(mosaic_one_chunk),
+    # one chunk: the whole batch in each tile's contraction (32 tiles at 512 -> 512); groups of 5: 2 kernel calls
+    # (each its own sweep from the first interval) instead of 3 for NB + 1 = 9, at 160 accumulator registers
+    return {"mosaic dC": jax.jit(mosaic), "mosaic dC, one batch chunk": jax.jit(mosaic_tiles(splits=1)),
+            "mosaic dC, groups of 5": jax.jit(mosaic_tiles(max_group=5)),
             "xla dC fp16_scaled": jax.jit(xla)}
 
 
