@@ -281,3 +281,28 @@ def test_measurement_scripts_write_outside_the_repository_by_default(script, opt
     module = "__main__" if script == "kan" else script
     src = (REPO / (script if script.startswith("scripts/") else f"jaxgrad/bench/{module}.py")).read_text()
     assert 'default="benchmarks/results"' not in src and '/ "benchmarks/results"' not in src
+
+
+def test_a_suite_stopped_by_sigterm_writes_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    import json
+    import os
+    import signal
+
+    from jaxgrad.bench import __main__ as bench_main
+
+    x = jnp.ones((8, 16), jnp.float32)
+
+    def suite(sizes, precision, *, repeats, warmup):
+        rows = bm.run_variants("swiglu", {"first": lambda x: x * 2}, (x,), {"n": 1}, warmup=0, repeats=1)
+        os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` would, between two variants
+        rows += bm.run_variants("swiglu", {"second": lambda x: x * 3}, (x,), {"n": 1}, warmup=0, repeats=1)
+        return rows
+
+    monkeypatch.setattr(bench_main, "suite_function", lambda name: suite)
+    assert bench_main.main(["swiglu", "--out", str(tmp_path)]) == 1
+    (path,) = tmp_path.glob("swiglu-*.json")
+    data = json.loads(path.read_text())
+    assert [r["variant"] for r in data["rows"]] == ["first"] and data["rows"][0]["median_ms"] > 0
+    assert "stopped by SIGTERM" in path.with_suffix(".txt").read_text()
+    assert "stopped by SIGTERM before its end" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored

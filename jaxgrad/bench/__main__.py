@@ -12,6 +12,8 @@ A timing suite (:data:`SUITES`) prints its table and writes it to
 :func:`jaxgrad.bench.harness.write_results`). ``--out`` defaults to ``runs/bench`` under the current directory
 (git-ignored in a checkout), so running a benchmark never changes the repository: the README's tables are generated
 from the committed ``benchmarks/results/``, and a result joins them only with ``--out benchmarks/results``.
+Stopped by SIGTERM (``timeout``'s signal), a suite writes the rows this process measured so far, with a note saying
+so, and exits with status 1 (a compilation or a run in progress finishes first).
 
 The variants of a suite are timed one after the other in this process (the GPU machines are shared and noisy, so only
 side-by-side numbers are compared); the ``lora`` and ``lora_model`` suites run each variant in a fresh process instead
@@ -32,6 +34,7 @@ import contextlib
 import importlib
 import pathlib
 import sys
+import time
 from collections.abc import Callable
 
 #: timing suites: name -> ``module:function``; the function is ``(sizes, precision, *, repeats, warmup, ...) ->
@@ -164,9 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         extra["budget_s"] = args.budget_s
     if args.head_grad:
         extra["head_grad"] = True
-    with ctx:
+    terminated = False
+    with ctx, bm.stops_on_sigterm() as measured:
         env = bm.environment()
-        result = suite_function(args.suite)(sizes, args.precision, repeats=args.repeats, warmup=args.warmup, **extra)
+        t0 = time.perf_counter()
+        try:
+            result = suite_function(args.suite)(sizes, args.precision, repeats=args.repeats, warmup=args.warmup,
+                                                **extra)
+        except bm.Terminated:  # timeout's signal: keep what was measured
+            terminated = True
+            result = (list(measured), [f"stopped by SIGTERM after {time.perf_counter() - t0:.0f} s: the rows above "
+                                       f"were measured, the suite's later variants were not run"])
     rows, notes = result if isinstance(result, tuple) else (result, [])
     if notes:
         env["suite_notes"] = notes
@@ -182,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r.variant for r in rows if r.median_ms is None and not r.notes.startswith("skipped")]
     if failed:
         print(f"error: {len(failed)} variant run(s) failed: {sorted(set(failed))}", file=sys.stderr)
+        return 1
+    if terminated:
+        print("error: the suite was stopped by SIGTERM before its end", file=sys.stderr)
         return 1
     return 0
 

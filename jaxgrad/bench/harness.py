@@ -37,10 +37,12 @@ tensor-core precision use the BF16 peak. On CPU or an unknown device every floor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import pathlib
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -57,6 +59,7 @@ __all__ = [
     "PEAKS",
     "DevicePeaks",
     "Row",
+    "Terminated",
     "compile_fn",
     "compiled_memory",
     "device_peak_bytes",
@@ -71,6 +74,7 @@ __all__ = [
     "provenance",
     "result_stem",
     "run_variants",
+    "stops_on_sigterm",
     "time_fn",
     "write_results",
 ]
@@ -208,6 +212,33 @@ def _current_precision() -> str:
     return "default" if value is None else str(value)
 
 
+class Terminated(BaseException):
+    """The process got SIGTERM (``timeout``'s signal) inside :func:`stops_on_sigterm`. Not an ``Exception``, so
+    that no variant's error handling records it as that variant's failure."""
+
+
+_MEASURED: list[list] = []  # the row lists of the active stops_on_sigterm blocks (innermost last)
+
+
+@contextlib.contextmanager
+def stops_on_sigterm():
+    """Inside the block SIGTERM raises :class:`Terminated` (between two Python operations: a compilation or a run
+    in progress finishes first), and every row :func:`run_variants` measures is appended to the yielded list, so
+    that a suite stopped by ``timeout`` still writes the rows it measured."""
+    measured: list = []
+
+    def stop(signum, frame):
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    _MEASURED.append(measured)
+    try:
+        yield measured
+    finally:
+        _MEASURED.pop()
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_variants(
     suite: str,
     variants: Mapping[str, Callable[..., Any]],
@@ -288,6 +319,8 @@ def run_variants(
             msg = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             row.notes = f"{notes}; {msg}" if notes else msg
         rows.append(row)
+        if _MEASURED:
+            _MEASURED[-1].append(row)
     return rows
 
 
