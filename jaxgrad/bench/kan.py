@@ -8,13 +8,13 @@ At the default precision with float32 arrays the XLA custom VJP is also timed wi
 ``backend="mosaic"`` (the forward, the input gradient and the weight gradients in the Mosaic kernels of
 :mod:`jaxgrad.kan.forward_mgpu`, :mod:`jaxgrad.kan.dx_mgpu` and :mod:`jaxgrad.kan.dcoef_mgpu`); the forward alone
 (rows sized ``part=forward``: FLOPs a third of the layer's) on the Mosaic kernel against XLA's (and the kernel with
-128-output tiles: each basis tile computed once per 128 outputs instead of the default's 256; and two probes of where its time
-goes, the products without the Cox-de Boor sweep and the sweep without most products; and the kernel with the plain
-sweep instead of the affine one), and the input gradient alone
-(``part=dx``) and the weight gradients alone (``part=dC``, :mod:`jaxgrad.kan.dcoef_mgpu`, the batch split until the
-tiles fill the SMs; also in one chunk, and in groups of 5 accumulators) on the Mosaic kernels against XLA's scaled
-products. With float32 arrays the bases alone are timed too (``part=bases``): efficient-kan's recursion against the per-output form the XLA path
-uses, written as float16.
+128-output tiles: each basis tile computed once per 128 outputs instead of the default's 256; two probes of where
+its time goes, the products without the Cox-de Boor sweep and the sweep without most products; and the kernel with
+the plain sweep instead of the affine one), the input gradient alone (``part=dx``) and the weight gradients alone
+(``part=dC``: :mod:`jaxgrad.kan.dcoef_mgpu` with the batch split until the tiles fill the SMs, in one chunk, and in
+groups of 5 accumulators; :mod:`jaxgrad.kan.dcoef_wide_mgpu`, the bases as the right operand) on the Mosaic
+kernels against XLA's scaled products. With float32 arrays the bases alone are timed too (``part=bases``):
+efficient-kan's recursion against the per-output form the XLA path uses, written as float16.
 """
 
 from __future__ import annotations
@@ -179,11 +179,13 @@ def _basis_variants() -> dict[str, Callable]:
             "bases + derivatives, elementwise": jax.jit(pair(bspline_basis_and_derivative))}
 
 
-def _dcoef_variants() -> dict[str, Callable]:
+def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     """The weight gradients alone, ``dC[o,i,m] = sum_b g[b,o] B_m(x[b,i])`` and ``dW^b = g^T silu(x)``, on the scaled
-    float16 products: the Mosaic kernel (:mod:`jaxgrad.kan.dcoef_mgpu`) against XLA's."""
+    float16 products: the Mosaic kernels (:mod:`jaxgrad.kan.dcoef_mgpu`; :mod:`jaxgrad.kan.dcoef_wide_mgpu` where ``nb``
+    bases fit its accumulators) against XLA's."""
     from jaxgrad.kan import fp16_scaled
     from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents
+    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles
     from jaxgrad.kan.spline import bspline_basis_elementwise
 
     def order(p):
@@ -210,11 +212,20 @@ def _dcoef_variants() -> dict[str, Callable]:
         dcoef = fp16_scaled.matmul(g.T, phi.reshape(x.shape[0], -1)).reshape(g.shape[1], x.shape[1], -1)
         return dcoef, fp16_scaled.matmul(g.T, x * jax.nn.sigmoid(x))
 
+    def mosaic_wide(p, x, g):  # the bases as the right operand: one sweep for 256 outputs (dcoef_wide_mgpu)
+        from jaxgrad.kan.dcoef_wide_mgpu import kan_dcoef_wide_mgpu
+
+        v = kan_dcoef_wide_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
+        return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+
     # one chunk: the whole batch in each tile's contraction (32 tiles at 512 -> 512); groups of 5: 2 kernel calls
     # (each its own sweep from the first interval) instead of 3 for NB + 1 = 9, at 160 accumulator registers
-    return {"mosaic dC": jax.jit(mosaic), "mosaic dC, one batch chunk": jax.jit(mosaic_tiles(splits=1)),
-            "mosaic dC, groups of 5": jax.jit(mosaic_tiles(max_group=5)),
-            "xla dC fp16_scaled": jax.jit(xla)}
+    out = {"mosaic dC": jax.jit(mosaic), "mosaic dC, one batch chunk": jax.jit(mosaic_tiles(splits=1)),
+           "mosaic dC, groups of 5": jax.jit(mosaic_tiles(max_group=5))}
+    if nb is None or (nb + 1) * WideTiles().bi <= 256:  # its accumulators' columns: one wgmma's N
+        out["mosaic dC, bases as the right operand"] = jax.jit(mosaic_wide)
+    out["xla dC fp16_scaled"] = jax.jit(xla)
+    return out
 
 
 def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants: list[str] | None = None,
@@ -266,7 +277,8 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3,
                     rows += run_variants(_dx_variants(), (params, x, g), sizes=dict(cfg, part="dx"),
                                          flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
                                          floor_precision="tf32", warmup=warmup, repeats=repeats)
-                    rows += run_variants(_dcoef_variants(), (params, x, g), sizes=dict(cfg, part="dC"),
+                    dcoef = _dcoef_variants(cfg["grid_size"] + cfg["spline_order"])
+                    rows += run_variants(dcoef, (params, x, g), sizes=dict(cfg, part="dC"),
                                          flops=flops / 3, bytes_moved=bytes_moved / 2, precision=precision,
                                          floor_precision="tf32", warmup=warmup, repeats=repeats)
             if (sizes == "full" and cfg["grid_size"] == 5 and cfg["spline_order"] == 3

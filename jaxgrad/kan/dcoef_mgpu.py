@@ -56,8 +56,8 @@ from jaxgrad.kan.spline import bspline_basis_elementwise
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["DcoefTiles", "batch_splits", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference", "kan_weight_cotangents",
-           "kernel_operands", "left_maxima", "left_operand", "scaled_operands"]
+__all__ = ["DcoefTiles", "batch_splits", "check_operands", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference",
+           "kan_weight_cotangents", "kernel_operands", "left_maxima", "left_operand", "scaled_operands"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
 
@@ -265,6 +265,16 @@ def kernel_operands(x, grid, g, spline_order: int, config: DcoefTiles, splits: i
         u=u, t=t)
 
 
+def check_operands(fn_name: str, x, grid, g) -> None:
+    """Raise, naming the argument, unless ``x [B, in]``, ``grid [in, knots]`` and ``g [B, out]`` are float32."""
+    for name, a in (("x", x), ("grid", grid), ("g", g)):
+        if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
+            raise ValueError(f"{fn_name}: '{name}' must be float32, got {a.dtype}")
+    if x.ndim != 2 or g.ndim != 2 or g.shape[0] != x.shape[0] or grid.shape[0] != x.shape[1]:
+        raise ValueError(f"{fn_name}: needs x [B, in], grid [in, knots], g [B, out]; got {x.shape}, "
+                         f"{grid.shape}, {g.shape}")
+
+
 def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = None, num_sms: int | None = None):
     r"""``V̄ [NB+1, in, out]`` (float32) of the module doc: ``V̄[m] = A^{(m)\top} g`` from the scaled float16 operands,
     on the Hopper kernel (``V̄[:NB]`` transposed is the coefficients' gradient, ``V̄[NB]`` transposed the SiLU
@@ -279,12 +289,7 @@ def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = No
     """
     from jaxgrad.kan.forward_mgpu import knot_table_limit
 
-    for name, a in (("x", x), ("grid", grid), ("g", g)):
-        if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
-            raise ValueError(f"kan_dcoef_mgpu: '{name}' must be float32, got {a.dtype}")
-    if x.ndim != 2 or g.ndim != 2 or g.shape[0] != x.shape[0] or grid.shape[0] != x.shape[1]:
-        raise ValueError(f"kan_dcoef_mgpu: needs x [B, in], grid [in, knots], g [B, out]; got {x.shape}, "
-                         f"{grid.shape}, {g.shape}")
+    check_operands("kan_dcoef_mgpu", x, grid, g)
     k = int(spline_order)
     nb = grid.shape[-1] - k - 1
     why = knot_table_limit(grid, jax.ShapeDtypeStruct((1, 1, nb), jnp.float32))

@@ -1,0 +1,212 @@
+r"""The KAN layer's weight gradients with the bases as ``wgmma``'s right operand, so that one sweep of a tile of
+``x`` serves many outputs (Mosaic GPU, Hopper): the :math:`\bar V` of :mod:`jaxgrad.kan.dcoef_mgpu`, computed as
+
+.. math::
+
+    \bar V^\top [o, (m, i)] = \sum_b g^\top_{ob}\, A^{(m)}_{bi}.
+
+:mod:`jaxgrad.kan.dcoef_mgpu` holds its bases in registers as the left operand, which bounds a CTA to
+``[64 inputs, 64 outputs]`` accumulators for three bases at a time, so at 512 outputs each x value's sweep runs 24
+times (2.65 ms for B 16384, 512 -> 512 on an H100). Here a CTA owns ``bi`` inputs (default 16) and ``tile_o = 2 x
+rb x 64`` outputs (default 256), and the sweep of an x value runs twice per 256 outputs (once per compute
+warpgroup): 4 times at 512 outputs.
+
+**The kernel.** Per block of ``bb = 64`` batch rows a memory warpgroup brings, by TMA, the ``g^T`` tile ``[tile_o,
+bb]`` (float16, scaled per output by XLA, which transposes ``g`` once) and the ``x`` tile ``[bb, bi]`` (float32).
+Each compute warpgroup runs the plain Cox-de Boor sweep (:func:`jaxgrad.kan.basis_tiles.sweep`: a column of tails
+needs relative accuracy) on the ``[64 rows, bi]`` register tile (knot rows broadcast along its rows), scales basis
+``m`` by :math:`2^{u_{mi}}`, writes it as float16 into columns ``m bi .. (m+1) bi`` of its own ``[bb, (NB+1) bi]``
+shared-memory tile, and issues, for each of its ``rb`` row blocks of 64 outputs and each 16-row K group, a
+``wgmma`` into that row block's accumulator ``[64, (NB+1) bi]`` (G=5, k=3: ``N = 144``, 72 registers a thread
+each). Both operands take the 32-byte swizzle of a 16-element K group: a right operand stored ``[K, N]`` takes the
+swizzle of its K width, and ``N = (NB+1) bi`` is a multiple of 16, not of 64.
+
+Scope, scaling, padding and error model: those of :mod:`jaxgrad.kan.dcoef_mgpu` (its exponents ``u``, ``t``;
+padded batch rows repeat the last row against zero rows of ``g``; padded inputs have zero knot tables, so zero
+bases). **Not yet run on a GPU:** its lowering and its operands' arrangement are checked on the CPU; its GPU test
+compares it with :func:`jaxgrad.kan.dcoef_mgpu.kan_dcoef_scaled_reference`. ``kan_linear`` does not use it yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxgrad.kan import fp16_scaled
+from jaxgrad.kan.basis_tiles import KnotTable, knot_tables, pad_to, sweep
+from jaxgrad.kan.dcoef_mgpu import _silu, scaled_operands
+from jaxgrad.ops import mgpu_common
+
+__all__ = ["WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands"]
+
+_ROWS = 64  # outputs per wgmma row block, and batch rows per step (the register tile's rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class WideTiles:
+    """Tiles of :func:`kan_dcoef_wide_mgpu`: ``bi`` inputs per CTA (a multiple of 16), ``rb`` row blocks of 64
+    outputs per compute warpgroup, ``bb`` batch rows per pipeline stage (64: the register tile), ``stages`` in
+    flight, ``splits`` batch chunks (their partial sums added by XLA), the epilogue's piece width ``epi_tile_n``."""
+
+    bi: int = 16
+    rb: int = 2
+    bb: int = 64
+    stages: int = 3
+    splits: int = 1
+    epi_tile_n: int = 16
+    grid_tile_width: int = 8
+
+    @property
+    def tile_o(self) -> int:
+        return 2 * self.rb * _ROWS
+
+
+def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: int, k: int, n_rows: int):
+    r"""``out [splits * out_pad, in_tiles * (NB+1) * bi]`` (fp32): row ``s * out_pad + o``, column ``(c (NB+1) + m)
+    bi + j`` holds :math:`\sum_b g^\top_{ob} A^{(m)}_{b, c bi + j}` over batch chunk ``s``, both factors scaled."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    out_pad, m_rows = gt_gmem.shape
+    bi, bb, rb, tile_o, splits = cfg.bi, cfg.bb, cfg.rb, cfg.tile_o, cfg.splits
+    n_cols = (nb + 1) * bi
+    n_tab, f_rows = tab_gmem.shape[0], f_gmem.shape[0]
+    i_iters, o_iters = x_gmem.shape[1] // bi, out_pad // tile_o
+    chunk = m_rows // splits
+    b_iters = chunk // bb
+    epi_n = cfg.epi_tile_n
+    spec = mgpu_common.smem_spec
+    pipeline = mgpu_common.warp_specialized([
+        spec((tile_o, bb), lambda kk: (0, kk), mgpu_common.rhs_transforms(16)),
+        spec((bb, bi), lambda kk: (kk, 0), mgpu_common.smem_transforms(bi, jnp.float32)),
+    ], b_iters, cfg.stages)
+    ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the pipeline's allocations
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(gt_gmem, x_gmem),
+        b_smem=plgpu.SMEM((2, bb, n_cols), jnp.float16, transforms=mgpu_common.rhs_transforms(16)),
+        out_smem=plgpu.SMEM((2, 2, _ROWS, epi_n), jnp.float32,
+                            transforms=mgpu_common.smem_transforms(epi_n, jnp.float32)),
+        tab_smem=plgpu.SMEM((2, n_tab, bi), jnp.float32),
+        f_smem=plgpu.SMEM((2, f_rows, bi), jnp.float32),
+        bars=plgpu.Barrier(num_barriers=4),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, b_smem, out_smem, tab_smem, f_smem, bars):
+        wg = lax.axis_index("wg")
+
+        @mgpu_common.persistent_tiles((i_iters * splits, o_iters), cfg.grid_tile_width)
+        def _tile(is_idx, o_idx):
+            i_idx, s_idx = is_idx // splits, is_idx % splits
+            b_slice = pl.ds(s_idx * chunk, chunk)
+            i_slice = pl.ds(i_idx * bi, bi)
+            o_slice = pl.ds(o_idx * tile_o, tile_o)
+
+            def bcast(row):
+                return lax.broadcast_in_dim(row, (bb, bi), [1])
+
+            def compute_context(eval_pipeline):
+                # the previous tile's steps have read the tables: its last step's products were waited for
+                plgpu.copy_gmem_to_smem(tab_gmem.at[:, i_slice], tab_smem.at[wg], bars.at[wg])
+                plgpu.copy_gmem_to_smem(f_gmem.at[:, i_slice], f_smem.at[wg], bars.at[2 + wg])
+                plgpu.barrier_wait(bars.at[wg])
+                plgpu.barrier_wait(bars.at[2 + wg])
+
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((_ROWS, n_cols), jnp.float32) for _ in range(rb)])
+                def _acc_scope(accs):
+                    eval_pipeline(accs)
+                    for j in range(rb):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        rows = pl.ds(s_idx * out_pad + o_idx * tile_o + (wg * rb + j) * _ROWS, _ROWS)
+                        cols = pl.ds(i_idx * n_cols, n_cols)
+                        mgpu_common.store_tile(accs[j][...], out_smem, wg, out_gmem.at[rows, cols], _ROWS, epi_n)
+
+            def mma_body(_, gt_smem, x_smem, accs):
+                x = x_smem[...]  # [bb rows, bi inputs] fp32: a 64-row register tile, as wgmma's layout needs
+                tab = KnotTable(lambda p, r: bcast(tab_smem[wg, p * n_rows + r]), expand=lambda row: row)
+                for m, basis in sweep(x, tab, nb + k, k):
+                    b_smem[wg, :, pl.ds(m * bi, bi)] = (basis * bcast(f_smem[wg, m])).astype(jnp.float16)
+                b_smem[wg, :, pl.ds(nb * bi, bi)] = (_silu(x) * bcast(f_smem[wg, nb])).astype(jnp.float16)
+                plgpu.commit_smem()
+                for kq in range(bb // 16):  # wgmma's K groups: the swizzle (16 float16) of both operands
+                    for j in range(rb):
+                        plgpu.wgmma(accs[j], gt_smem.at[pl.ds((wg * rb + j) * _ROWS, _ROWS), pl.ds(kq * 16, 16)],
+                                    b_smem.at[wg, pl.ds(kq * 16, 16)])
+                plgpu.wgmma_wait(0)  # the next step writes b_smem again
+                return accs
+
+            pipeline(mma_body, compute_context)(
+                gt_gmem.at[o_slice, b_slice], x_gmem.at[b_slice, i_slice], allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "nb", "k", "n_rows", "num_sms"))
+def _call(gt, x, tab, f, *, config, nb, k, n_rows, num_sms):
+    out_pad = gt.shape[0]
+    fn = mgpu_common.persistent_kernel(
+        functools.partial(_kernel, cfg=config, nb=nb, k=k, n_rows=n_rows),
+        jax.ShapeDtypeStruct((config.splits * out_pad, (x.shape[1] // config.bi) * (nb + 1) * config.bi),
+                             jnp.float32),
+        num_sms)
+    return fn(gt, x, tab, f)
+
+
+def kernel_operands(x, grid, g, spline_order: int, config: WideTiles) -> dict:
+    """The kernel's padded operands: ``gt [out_pad, b_pad]`` (the scaled cotangent, transposed, float16), ``x
+    [b_pad, in_pad]`` (float32), ``tab`` (the knot tables) and ``f [NB+1, in_pad]`` (the factors :math:`2^{u}`),
+    both padded to whole KiB of rows, and the exponents ``u [NB+1, in]``, ``t [out]``."""
+    c = config
+    k = int(spline_order)
+    nb = grid.shape[-1] - k - 1
+    b, in_f = x.shape
+    out_f = g.shape[1]
+    u, t = scaled_operands(x, grid, g, k)
+    b_pad = -(-b // (c.bb * c.splits)) * c.bb * c.splits
+    in_pad = -(-in_f // c.bi) * c.bi
+    out_pad = -(-out_f // c.tile_o) * c.tile_o
+    tab = knot_tables(grid, jnp.float32, k, nb + k + 1, in_pad)
+    row_bytes = 4 * c.bi  # a table row as a warpgroup copies it
+    g16 = pad_to((g * fp16_scaled.pow2(t, g.dtype)[None, :]).astype(jnp.float16), (b_pad, out_pad))
+    return dict(
+        gt=g16.T,
+        x=pad_to(pad_to(x, (b_pad, in_f), mode="edge"), (b_pad, in_pad)),
+        tab=pad_to(tab, (mgpu_common.whole_kib_rows(tab.shape[0], row_bytes), in_pad)),
+        f=pad_to(fp16_scaled.pow2(u, jnp.float32), (mgpu_common.whole_kib_rows(nb + 1, row_bytes), in_pad)),
+        u=u, t=t)
+
+
+def kan_dcoef_wide_mgpu(x, grid, g, spline_order: int, config: WideTiles | None = None,
+                        num_sms: int | None = None):
+    r"""``V̄ [NB+1, in, out]`` (float32), as :func:`jaxgrad.kan.dcoef_mgpu.kan_dcoef_mgpu` returns it, on this
+    module's kernel (module doc).
+
+    Args:
+      x: ``[B, in]`` float32.
+      grid: ``[in, G + 2k + 1]`` float32 knots (non-decreasing rows).
+      g: ``[B, out]`` float32, the output cotangent.
+      spline_order: ``k``.
+      config: the kernel's tiles (default :class:`WideTiles`).
+    """
+    from jaxgrad.kan.dcoef_mgpu import _num_sms, check_operands
+
+    check_operands("kan_dcoef_wide_mgpu", x, grid, g)
+    c = config or WideTiles()
+    k = int(spline_order)
+    nb = grid.shape[-1] - k - 1
+    if (nb + 1) * c.bi > 256:
+        raise ValueError(f"kan_dcoef_wide_mgpu: (G + k + 1) * bi = {(nb + 1) * c.bi} exceeds wgmma's 256 columns; "
+                         f"take a smaller grid or WideTiles.bi")
+    ops = kernel_operands(x, grid, g, k, c)
+    in_f, out_f = x.shape[1], g.shape[1]
+    out_pad, in_pad = ops["gt"].shape[0], ops["x"].shape[1]
+    acc = _call(ops["gt"], ops["x"], ops["tab"], ops["f"], config=c, nb=nb, k=k, n_rows=nb + k + 1,
+                num_sms=int(num_sms or _num_sms()))
+    acc = jnp.sum(acc.reshape(c.splits, out_pad, in_pad // c.bi, nb + 1, c.bi), axis=0)
+    v = jnp.transpose(acc, (2, 1, 3, 0)).reshape(nb + 1, in_pad, out_pad)[:, :in_f, :out_f]
+    return fp16_scaled.unscale(v, -(ops["u"][:, :, None] + ops["t"][None, None, :]))

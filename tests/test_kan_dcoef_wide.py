@@ -1,0 +1,84 @@
+"""The weight-gradient kernel with the bases as wgmma's right operand (:mod:`jaxgrad.kan.dcoef_wide_mgpu`): its
+operands and output arrangement give :mod:`jaxgrad.kan.dcoef_mgpu`'s ``V̄`` (checked on the CPU with the kernel's
+products written in jnp), it lowers for Hopper at odd sizes, and on the GPU it stays within TF32's product model."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kan_dcoef_mosaic import _over_model
+from test_kan_mosaic import _cotangent, _layer, _x
+
+from jaxgrad.kan import dcoef_mgpu as C
+from jaxgrad.kan import dcoef_wide_mgpu as W
+from jaxgrad.kan.basis_tiles import KnotTable, sweep
+
+
+def _products_in_jnp(gt, x, tab, f, *, config, nb, k, n_rows, num_sms):
+    """What the kernel computes, in jnp: the same sweep over the same tables and factors, the float16 operands,
+    float32 sums, in the kernel's output arrangement (``W._kernel``'s docstring)."""
+    del num_sms
+    tables = KnotTable(lambda p, r: tab[p * n_rows + r])
+    bases = [b for _, b in sweep(x, tables, nb + k, k)] + [C._silu(x)]  # each [b_pad, in_pad]
+    a16 = (jnp.stack(bases) * f[:nb + 1][:, None, :]).astype(jnp.float16)  # [NB+1, b_pad, in_pad]
+    acc = jnp.einsum("ob,mbi->omi", gt.astype(jnp.float32), a16.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)  # [out_pad, NB+1, in_pad]
+    out_pad, in_pad = gt.shape[0], x.shape[1]
+    acc = acc.reshape(out_pad, nb + 1, in_pad // config.bi, config.bi).transpose(0, 2, 1, 3)
+    return jnp.tile(acc.reshape(out_pad, -1) / config.splits, (config.splits, 1))
+
+
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order,splits", [
+    (100, 17, 9, 5, 3, 1),
+    (129, 40, 300, 3, 1, 2),
+    (7, 33, 520, 3, 5, 1),
+])
+def test_the_operands_and_the_output_arrangement_give_the_scaled_reference(monkeypatch, batch, in_f, out_f,
+                                                                           grid_size, order, splits):
+    monkeypatch.setattr(W, "_call", _products_in_jnp)
+    _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
+    x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
+    got = W.kan_dcoef_wide_mgpu(x, grid, g, order, config=W.WideTiles(splits=splits), num_sms=132)
+    want = C.kan_dcoef_scaled_reference(x, grid, g, order)
+    assert got.shape == want.shape == (grid_size + order + 1, in_f, out_f)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [
+    (1000, 96, 33, 5, 3),
+    (7, 520, 96, 3, 1),
+    (129, 17, 520, 3, 5),
+])
+def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out_f, grid_size, order):
+    monkeypatch.setattr(C, "_num_sms", lambda: 132)
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    args = (sd(batch, in_f), sd(in_f, grid_size + 2 * order + 1), sd(batch, out_f))
+    fn = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order))
+    assert jax.eval_shape(fn, *args).shape == (grid_size + order + 1, in_f, out_f)
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_a_grid_whose_bases_exceed_wgmmas_columns_is_refused_by_name():
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"\(G \+ k \+ 1\) \* bi = 384 exceeds wgmma's 256 columns"):
+        jax.eval_shape(lambda *a: W.kan_dcoef_wide_mgpu(*a, 3, num_sms=132), sd(8, 4), sd(4, 27), sd(8, 3))
+    with pytest.raises(ValueError, match="'g' must be float32"):
+        W.kan_dcoef_wide_mgpu(sd(8, 4), sd(4, 12), jax.ShapeDtypeStruct((8, 3), jnp.bfloat16), 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [
+    (1, 96, 520, 5, 3),
+    (7, 520, 96, 3, 1),
+    (129, 96, 96, 5, 5),
+    (4096, 512, 512, 5, 3),
+])
+def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order):
+    _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
+    x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
+    got = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order))(x, grid, g)
+    assert got.shape == (grid_size + order + 1, in_f, out_f)
+    ratio = _over_model(x, grid, g, order, got)
+    assert ratio.max() <= 1.0, ratio.max()
