@@ -52,7 +52,7 @@ def test_the_operands_and_the_output_arrangement_give_the_scaled_reference(monke
     (129, 17, 520, 3, 5),
 ])
 def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out_f, grid_size, order):
-    monkeypatch.setattr(C, "_num_sms", lambda: 132)
+    monkeypatch.setattr(W, "_num_sms", lambda: 132)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     args = (sd(batch, in_f), sd(in_f, grid_size + 2 * order + 1), sd(batch, out_f))
     fn = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order))

@@ -184,7 +184,7 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     float16 products: the Mosaic kernels (:mod:`jaxgrad.kan.dcoef_mgpu`; :mod:`jaxgrad.kan.dcoef_wide_mgpu` where ``nb``
     bases fit its accumulators) against XLA's."""
     from jaxgrad.kan import fp16_scaled
-    from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents
+    from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents, weight_cotangents
     from jaxgrad.kan.dcoef_wide_mgpu import WideTiles
     from jaxgrad.kan.spline import bspline_basis_elementwise
 
@@ -202,8 +202,8 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
         cfg = dataclasses.replace(DcoefTiles(), **tiles)
 
         def f(p, x, g):
-            v = kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p), config=cfg)
-            return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+            return weight_cotangents(kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g,
+                                                    order(p), config=cfg))
         return f
 
     def xla(p, x, g):
@@ -215,8 +215,8 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     def mosaic_wide(p, x, g):  # the bases as the right operand: one sweep for 256 outputs (dcoef_wide_mgpu)
         from jaxgrad.kan.dcoef_wide_mgpu import kan_dcoef_wide_mgpu
 
-        v = kan_dcoef_wide_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
-        return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T
+        return weight_cotangents(kan_dcoef_wide_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g,
+                                                     order(p)))
 
     # one chunk: the whole batch in each tile's contraction (32 tiles at 512 -> 512); groups of 5: 2 kernel calls
     # (each its own sweep from the first interval) instead of 3 for NB + 1 = 9, at 160 accumulator registers

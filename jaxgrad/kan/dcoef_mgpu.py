@@ -57,7 +57,8 @@ from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
 __all__ = ["DcoefTiles", "batch_splits", "check_operands", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference",
-           "kan_weight_cotangents", "kernel_operands", "left_maxima", "left_operand", "scaled_operands"]
+           "kan_weight_cotangents", "kernel_operands", "left_maxima", "left_operand", "padded_operands",
+           "scaled_operands", "weight_cotangents"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
 
@@ -248,20 +249,28 @@ def kernel_operands(x, grid, g, spline_order: int, config: DcoefTiles, splits: i
     stay within the batch's maxima. (A zero row would not: its bases may exceed every real row's, and scaled by
     :math:`2^{u}` overflow float16, where ``inf * 0`` is NaN.) Padded inputs have zero knot tables and factors."""
     c = config
+    b_pad = -(-x.shape[0] // (c.bb * splits)) * c.bb * splits
+    in_pad = -(-x.shape[1] // (2 * _ROWS)) * 2 * _ROWS
+    out_pad = -(-g.shape[1] // c.tile_o) * c.tile_o
+    ops = padded_operands(x, grid, g, spline_order, (b_pad, in_pad, out_pad), 4 * _ROWS)
+    return dict(xt=ops.pop("x").T, **ops)
+
+
+def padded_operands(x, grid, g, spline_order: int, padded: tuple[int, int, int], row_bytes: int) -> dict:
+    """What both weight-gradient kernels take, padded to ``padded = (b_pad, in_pad, out_pad)``: ``x [b_pad,
+    in_pad]`` (fp32), ``g16 [b_pad, out_pad]`` (the scaled cotangent), ``f [NB+1, in_pad]`` (the row factors
+    :math:`2^{u}`), ``tab`` (the knot tables, rows padded to whole KiB at ``row_bytes`` a row), and the exponents
+    ``u [NB+1, in]``, ``t [out]`` (:func:`kernel_operands` says why padded batch rows repeat the last row)."""
     k = int(spline_order)
     nb = grid.shape[-1] - k - 1
-    b, in_f = x.shape
-    out_f = g.shape[1]
+    b_pad, in_pad, out_pad = padded
     u, t = scaled_operands(x, grid, g, k)
-    b_pad = -(-b // (c.bb * splits)) * c.bb * splits
-    in_pad = -(-in_f // (2 * _ROWS)) * 2 * _ROWS
-    out_pad = -(-out_f // c.tile_o) * c.tile_o
     tab = knot_tables(grid, jnp.float32, k, nb + k + 1, in_pad)
     return dict(
-        xt=pad_to(pad_to(x, (b_pad, in_f), mode="edge").T, (in_pad, b_pad)),
+        x=pad_to(pad_to(x, (b_pad, x.shape[1]), mode="edge"), (b_pad, in_pad)),
         g16=pad_to((g * fp16_scaled.pow2(t, g.dtype)[None, :]).astype(jnp.float16), (b_pad, out_pad)),
         f=pad_to(fp16_scaled.pow2(u, jnp.float32), (nb + 1, in_pad)),
-        tab=pad_to(tab, (mgpu_common.whole_kib_rows(tab.shape[0], 4 * _ROWS), in_pad)),
+        tab=pad_to(tab, (mgpu_common.whole_kib_rows(tab.shape[0], row_bytes), in_pad)),
         u=u, t=t)
 
 
@@ -325,4 +334,9 @@ def kan_weight_cotangents(x, grid, g, spline_order: int):
     else:
         require_hopper()
         v = kan_dcoef_mgpu(x, grid, g, spline_order)
+    return weight_cotangents(v)
+
+
+def weight_cotangents(v):
+    """``(dC [out, in, NB], dW^b [out, in])`` from ``V̄ [NB+1, in, out]``."""
     return jnp.transpose(v[:-1], (2, 1, 0)), v[-1].T

@@ -37,9 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgrad.kan import fp16_scaled
-from jaxgrad.kan.basis_tiles import KnotTable, knot_tables, pad_to, sweep
-from jaxgrad.kan.dcoef_mgpu import _silu, scaled_operands
+from jaxgrad.kan.basis_tiles import KnotTable, pad_to, sweep
+from jaxgrad.kan.dcoef_mgpu import _silu, check_operands, padded_operands
 from jaxgrad.ops import mgpu_common
+from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
 __all__ = ["WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands"]
 
@@ -162,23 +163,14 @@ def kernel_operands(x, grid, g, spline_order: int, config: WideTiles) -> dict:
     [b_pad, in_pad]`` (float32), ``tab`` (the knot tables) and ``f [NB+1, in_pad]`` (the factors :math:`2^{u}`),
     both padded to whole KiB of rows, and the exponents ``u [NB+1, in]``, ``t [out]``."""
     c = config
-    k = int(spline_order)
-    nb = grid.shape[-1] - k - 1
-    b, in_f = x.shape
-    out_f = g.shape[1]
-    u, t = scaled_operands(x, grid, g, k)
-    b_pad = -(-b // (c.bb * c.splits)) * c.bb * c.splits
-    in_pad = -(-in_f // c.bi) * c.bi
-    out_pad = -(-out_f // c.tile_o) * c.tile_o
-    tab = knot_tables(grid, jnp.float32, k, nb + k + 1, in_pad)
+    b_pad = -(-x.shape[0] // (c.bb * c.splits)) * c.bb * c.splits
+    in_pad = -(-x.shape[1] // c.bi) * c.bi
+    out_pad = -(-g.shape[1] // c.tile_o) * c.tile_o
     row_bytes = 4 * c.bi  # a table row as a warpgroup copies it
-    g16 = pad_to((g * fp16_scaled.pow2(t, g.dtype)[None, :]).astype(jnp.float16), (b_pad, out_pad))
-    return dict(
-        gt=g16.T,
-        x=pad_to(pad_to(x, (b_pad, in_f), mode="edge"), (b_pad, in_pad)),
-        tab=pad_to(tab, (mgpu_common.whole_kib_rows(tab.shape[0], row_bytes), in_pad)),
-        f=pad_to(fp16_scaled.pow2(u, jnp.float32), (mgpu_common.whole_kib_rows(nb + 1, row_bytes), in_pad)),
-        u=u, t=t)
+    ops = padded_operands(x, grid, g, spline_order, (b_pad, in_pad, out_pad), row_bytes)
+    ops["gt"] = ops.pop("g16").T
+    ops["f"] = pad_to(ops["f"], (mgpu_common.whole_kib_rows(ops["f"].shape[0], row_bytes), in_pad))
+    return ops
 
 
 def kan_dcoef_wide_mgpu(x, grid, g, spline_order: int, config: WideTiles | None = None,
@@ -193,8 +185,6 @@ def kan_dcoef_wide_mgpu(x, grid, g, spline_order: int, config: WideTiles | None 
       spline_order: ``k``.
       config: the kernel's tiles (default :class:`WideTiles`).
     """
-    from jaxgrad.kan.dcoef_mgpu import _num_sms, check_operands
-
     check_operands("kan_dcoef_wide_mgpu", x, grid, g)
     c = config or WideTiles()
     k = int(spline_order)

@@ -111,9 +111,15 @@ def _bases_by_offset(x, t, degree: int, top: int, nb: int):
     tm = [t[:, j:j + nb] for j in range(degree + 2)]  # tm[j][i, m] = t_{m+j}
     b = [((xe >= tm[o]) & (xe < tm[o + 1])).astype(x.dtype) for o in range(degree + 1)]
     for p in range(1, top + 1):
-        b = [_safe_div(xe - tm[o], tm[o + p] - tm[o]) * b[o]
-             + _safe_div(tm[o + p + 1] - xe, tm[o + p + 1] - tm[o + 1]) * b[o + 1] for o in range(degree + 1 - p)]
+        b = [_raised_by_offset(xe, tm, b[o], b[o + 1], o, p) for o in range(degree + 1 - p)]
     return b, tm
+
+
+def _raised_by_offset(xe, tm, lo, hi, o: int, p: int):
+    """:math:`B^p_{m+o}` from :math:`B^{p-1}_{m+o}` (``lo``) and :math:`B^{p-1}_{m+o+1}` (``hi``), ``tm[j] =
+    t_{m+j}``: the Cox-de Boor step of :func:`_cox_de_boor_step`, per output basis."""
+    return (_safe_div(xe - tm[o], tm[o + p] - tm[o]) * lo
+            + _safe_div(tm[o + p + 1] - xe, tm[o + p + 1] - tm[o + 1]) * hi)
 
 
 def _derivative_from_lower(t, lower, k):
@@ -174,8 +180,7 @@ def bspline_basis_and_derivative(x: jax.Array, grid: jax.Array, spline_order: in
     k = _check_basis_args("bspline_basis_and_derivative", x, grid, spline_order, 1)
     t = grid.astype(x.dtype)
     (b0, b1), tm = _bases_by_offset(x, t, k, k - 1, t.shape[-1] - k - 1)
-    xe = x[..., None]
-    basis = _safe_div(xe - tm[0], tm[k] - tm[0]) * b0 + _safe_div(tm[k + 1] - xe, tm[k + 1] - tm[1]) * b1
+    basis = _raised_by_offset(x[..., None], tm, b0, b1, 0, k)
     # dB^k_m/dx = k [B^{k-1}_m / (t_{m+k} - t_m) - B^{k-1}_{m+1} / (t_{m+k+1} - t_{m+1})]
     return basis, k * (_safe_div(b0, tm[k] - tm[0]) - _safe_div(b1, tm[k + 1] - tm[1]))
 
