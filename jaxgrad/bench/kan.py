@@ -185,7 +185,8 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     float16 products: the Mosaic kernels (:mod:`jaxgrad.kan.dcoef_mgpu`; :mod:`jaxgrad.kan.dcoef_wide_mgpu` where ``nb``
     bases fit its accumulators) against XLA's."""
     from jaxgrad.kan import fp16_scaled
-    from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents, weight_cotangents
+    from jaxgrad.kan.basis_maxima import bspline_basis_maxima
+    from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents, left_maxima, weight_cotangents
     from jaxgrad.kan.dcoef_wide_mgpu import WideTiles
     from jaxgrad.kan.spline import bspline_basis_elementwise
 
@@ -213,18 +214,35 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
         dcoef = fp16_scaled.matmul(g.T, phi.reshape(x.shape[0], -1)).reshape(g.shape[1], x.shape[1], -1)
         return dcoef, fp16_scaled.matmul(g.T, x * jax.nn.sigmoid(x))
 
-    def mosaic_wide(p, x, g):  # the bases as the right operand: one sweep for 256 outputs (dcoef_wide_mgpu)
+    def mosaic_wide(**tiles):  # the bases as the right operand: one sweep for 256 outputs (dcoef_wide_mgpu)
+        import dataclasses
+
         from jaxgrad.kan.dcoef_wide_mgpu import kan_dcoef_wide_mgpu
 
-        return weight_cotangents(kan_dcoef_wide_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g,
-                                                     order(p)))
+        cfg = dataclasses.replace(WideTiles(), **tiles)
+
+        def f(p, x, g):
+            return weight_cotangents(kan_dcoef_wide_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g,
+                                                         order(p), config=cfg))
+        return f
+
+    def maxima(fn):  # the row maxima alone, which the Mosaic kernels' scales come from
+        return lambda p, x, g: fn(x.astype(jnp.float32), p["grid"].astype(jnp.float32), order(p))
 
     # one chunk: the whole batch in each tile's contraction (32 tiles at 512 -> 512); groups of 5: 2 kernel calls
     # (each its own sweep from the first interval) instead of 3 for NB + 1 = 9, at 160 accumulator registers
     out = {"mosaic dC": jax.jit(mosaic), "mosaic dC, one batch chunk": jax.jit(mosaic_tiles(splits=1)),
            "mosaic dC, groups of 5": jax.jit(mosaic_tiles(max_group=5))}
     if nb is None or (nb + 1) * WideTiles().bi <= 256:  # its accumulators' columns: one wgmma's N
-        out["mosaic dC, bases as the right operand"] = jax.jit(mosaic_wide)
+        out["mosaic dC, bases as the right operand"] = jax.jit(mosaic_wide())
+        # one row block of 64 outputs per warpgroup (half the accumulator registers, twice the sweeps); the batch
+        # cut in two (twice the CTAs: 64 tiles at 512 -> 512 leave half an H100's SMs idle)
+        out["mosaic dC, bases as the right operand, 128 outputs a CTA"] = jax.jit(mosaic_wide(rb=1))
+        out["mosaic dC, bases as the right operand, batch in 2"] = jax.jit(mosaic_wide(splits=2))
+        out["mosaic dC, bases as the right operand, 128 outputs a CTA, batch in 2"] = jax.jit(
+            mosaic_wide(rb=1, splits=2))
+    out["dC row maxima, xla (chunks of 2048 rows)"] = jax.jit(maxima(left_maxima))
+    out["dC row maxima, sweep kernel"] = jax.jit(maxima(bspline_basis_maxima))
     out["xla dC fp16_scaled"] = jax.jit(xla)
     return out
 

@@ -18,8 +18,8 @@ memory and the ``[B, in, NB]`` basis is never written.
 
 **Scaling** (:mod:`jaxgrad.kan.fp16_scaled`'s model for ``a [M, K] @ b [K, N]``, applied to ``a = A^{(m)\top}``,
 ``b = g``: the operands of ``fp16_scaled.matmul(g.T, phi)`` of the XLA path, transposed): row ``(m, i)`` of ``a`` by
-:math:`2^{u_{mi}}` from :math:`\max_b |A^{(m)}_{bi}|` (XLA computes the maxima over the batch first, a chunk of
-rows at a time: :func:`left_maxima`),
+:math:`2^{u_{mi}}` from :math:`\max_b |A^{(m)}_{bi}|` (the maxima over the batch come first: on a GPU from
+:func:`jaxgrad.kan.basis_maxima.bspline_basis_maxima`, one sweep per x value; elsewhere XLA's :func:`left_maxima`),
 column ``o`` of ``g`` by :math:`2^{t_o}` from its largest magnitude; the kernel accumulates the float16 products in
 fp32 and XLA unscales by :math:`2^{-u_{mi} - t_o}` exactly. The sweep is the plain one (:func:`basis_tiles.sweep`),
 not the affine form: a coefficient's column may hold only tails of its basis, where the affine form's absolute
@@ -50,7 +50,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxgrad import pallas_backend as pb
 from jaxgrad.kan import fp16_scaled
+from jaxgrad.kan.basis_maxima import bspline_basis_maxima
 from jaxgrad.kan.basis_tiles import KnotTable, knot_tables, pad_to, sweep
 from jaxgrad.kan.spline import bspline_basis_elementwise
 from jaxgrad.ops import mgpu_common
@@ -112,10 +114,10 @@ def left_maxima(x, grid, spline_order: int, chunk: int = 2048):
     return jnp.max(lax.map(lambda c: jnp.max(jnp.abs(left_operand(c, grid, spline_order)), axis=2), xs), axis=0)
 
 
-def scaled_operands(x, grid, g, spline_order: int):
-    """``u [NB+1, in]`` (rows ``(m, i)`` of the left operand, from :func:`left_maxima`) and ``t [out]`` (columns of
-    ``g``, from their largest magnitudes)."""
-    u = fp16_scaled.scale_exponents(left_maxima(x, grid, spline_order))
+def scaled_operands(x, grid, g, spline_order: int, maxima=None):
+    """``u [NB+1, in]`` (rows ``(m, i)`` of the left operand, from their ``maxima``, default :func:`left_maxima`)
+    and ``t [out]`` (columns of ``g``, from their largest magnitudes)."""
+    u = fp16_scaled.scale_exponents(left_maxima(x, grid, spline_order) if maxima is None else maxima)
     t = fp16_scaled.scale_exponents(jnp.max(jnp.abs(g), axis=0, initial=0.0))
     return u, t
 
@@ -264,7 +266,9 @@ def padded_operands(x, grid, g, spline_order: int, padded: tuple[int, int, int],
     k = int(spline_order)
     nb = grid.shape[-1] - k - 1
     b_pad, in_pad, out_pad = padded
-    u, t = scaled_operands(x, grid, g, k)
+    # on a GPU the row maxima come from one sweep per x value (basis_maxima), not XLA's chunked reductions
+    maxima = None if pb.default_interpret() else bspline_basis_maxima(x, grid, k)
+    u, t = scaled_operands(x, grid, g, k, maxima)
     tab = knot_tables(grid, jnp.float32, k, nb + k + 1, in_pad)
     return dict(
         x=pad_to(pad_to(x, (b_pad, x.shape[1]), mode="edge"), (b_pad, in_pad)),
