@@ -140,12 +140,19 @@ def load_bench(results: pathlib.Path) -> list[dict]:
     return out
 
 
+#: suites whose runs are tabled by their own marker (``table:scaling``: every workload's newest row, across runs),
+#: not by the per-suite "latest run" tables
+OWN_TABLE = ("scaling",)
+
+
 def latest_bench(results: pathlib.Path, suite: str | None = None) -> dict[tuple[str, str], list[dict]]:
     """(suite, device) -> the latest file of each matmul-precision setting, 'default' first (one suite if named);
     a file with a PyTorch row is preferred to a later one without (a run of a few variants, ``--variants``)."""
     best: dict[tuple[str, str, str], dict] = {}
     for f in load_bench(results):
         if suite is not None and f["suite"] != suite:
+            continue
+        if suite is None and f["suite"] in OWN_TABLE:  # each of its runs measures other workloads: its own table
             continue
         key = (f["suite"], f["device"], f["precision"])
         # a run that has the PyTorch row (the whole comparison) wins over a later run of a few variants
@@ -617,6 +624,7 @@ def table_scaling(results: pathlib.Path) -> list[str]:
     if not newest:
         return ["No scaling run is committed yet."]
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    num = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731 - no 1-GPU row to scale by (a base too large)
     body = []
     for key in sorted(newest, key=lambda k: (k[0], k[1], k[2], k[3] != "data", k[3], k[4])):
         path, r = newest[key]
@@ -625,7 +633,7 @@ def table_scaling(results: pathlib.Path) -> list[str]:
         unit = r.get("unit", "items")
         layout = r["layout"] + (f", {key[4]} processes" if key[4] > 1 else "")
         body.append([r["workload"], key[1], str(r["devices"]), layout, str(r['spec'].get('batch', '-')),
-                     f"{r['throughput']:,.0f} {unit}", f"{r['scaling_factor']:.3f}", f"{r['efficiency']:.3f}",
+                     f"{r['throughput']:,.0f} {unit}", num(r.get("scaling_factor")), num(r.get("efficiency")),
                      gib(r["peak_bytes_max"]) if r.get("peak_bytes_max") else "-",
                      f"{gib(r['base_bytes_per_device'])} ({r['base_bytes_ratio']:.2f})"
                      if r.get("base_bytes_per_device") else "-",

@@ -344,3 +344,20 @@ def test_the_scaling_table_takes_each_row_from_the_newest_run_that_measured_it(t
     assert len(rows) == 2
     assert "550.0" in rows[0] and "2026-11-27 02:00" in rows[0]  # the newer run's 1-GPU row
     assert "720.0" in rows[1] and "1.940" in rows[1] and "2026-11-27 01:00" in rows[1]  # the only measured fsdp row
+
+
+def test_a_scaling_row_without_a_one_gpu_row_shows_no_factor_and_the_bench_tables_leave_scaling_out(tmp_path):
+    # a base too large for one GPU: the 1-GPU row ran out of memory, so the 4-GPU row has nothing to scale by
+    row = dict(_scaling_row(4, "fsdp", 3900.0, 1.0), workload="llama-70b-shapes", scaling_factor=None,
+               efficiency=None)
+    path = tmp_path / "scaling-gpu-bf16-20261127-191116.json"
+    oom = dict(_scaling_row(1, "data", 0.0, 1.0, status="out of memory"), workload="llama-70b-shapes",
+               throughput=None, scaling_factor=None, efficiency=None, median_ms=None)
+    _scaling_file(path, [oom, row])
+    body = json.loads(path.read_text())
+    body["rows"] = [{"suite": "scaling", "variant": "llama-70b-shapes N=4 fsdp", "median_ms": 3900.0, "sizes": {}}]
+    path.write_text(json.dumps(body))
+    rows = [line for line in rt.table_scaling(tmp_path) if line.startswith("| llama-70b")]
+    assert len(rows) == 1 and "| 4 | fsdp | 2 |" in rows[0] and "| - | - |" in rows[0]
+    assert rt.load_bench(tmp_path) and rt.latest_bench(tmp_path) == {}  # its own table, not the per-suite ones
+    assert rt.latest_bench(tmp_path, "scaling")
