@@ -60,6 +60,34 @@ def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_two_row_blocks_where_their_accumulators_fit_and_a_batch_split_that_fills_the_sms():
+    t = W.WideTiles()
+    g5k3 = t.resolved(8, 16384, 512, 512, 132)  # 2 x 72 accumulator registers a thread
+    # 32 x 2 tiles: 2 chunks give 128 work items, one per SM (3 would give 192, two rounds of a third each)
+    assert (g5k3.rb, g5k3.tile_o, g5k3.splits) == (2, 256, 2)
+    g5k5 = t.resolved(10, 16384, 512, 512, 132)  # 2 x 88 would spill: one row block, 32 x 4 tiles already 128
+    assert (g5k5.rb, g5k5.tile_o, g5k5.splits) == (1, 128, 1)
+    assert t.resolved(8, 16384, 96, 96, 132).splits == 20  # 6 x 1 tiles: 120 work items, within 10 % of 132
+    assert t.resolved(8, 129, 512, 512, 132).splits == 1  # 3 blocks of 64 rows: one chunk of >= 3
+    assert W.WideTiles(rb=1, splits=1).resolved(8, 16384, 512, 512, 132) == W.WideTiles(rb=1, splits=1)
+    assert W.takes(8) and W.takes(15) and not W.takes(16) and not W.takes(23)  # (NB+1) 16 <= 256
+
+
+def test_the_layers_weight_gradients_take_the_wide_kernel_where_it_takes_the_grid(monkeypatch):
+    from jaxgrad.kan import forward_mgpu
+
+    called = []
+    monkeypatch.setattr(forward_mgpu, "require_hopper", lambda: None)
+    monkeypatch.setattr(W, "kan_dcoef_wide_mgpu", lambda x, grid, g, k: called.append("wide") or
+                        C.kan_dcoef_scaled_reference(x, grid, g, k))
+    monkeypatch.setattr(C, "kan_dcoef_mgpu", lambda x, grid, g, k: called.append("registers") or
+                        C.kan_dcoef_scaled_reference(x, grid, g, k))
+    for grid_size in (5, 20):
+        _, grid = _layer(0, 6, 4, grid_size=grid_size, spline_order=3)
+        C.kan_weight_cotangents(_x(0, 9, 6), grid, _cotangent(1, 9, 4), 3)
+    assert called == ["wide", "registers"]  # G=20: 24 x 16 columns exceed one wgmma
+
+
 def test_a_grid_whose_bases_exceed_wgmmas_columns_is_refused_by_name():
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     with pytest.raises(ValueError, match=r"\(G \+ k \+ 1\) \* bi = 384 exceeds wgmma's 256 columns"):

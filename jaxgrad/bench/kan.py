@@ -187,7 +187,7 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     from jaxgrad.kan import fp16_scaled
     from jaxgrad.kan.basis_maxima import bspline_basis_maxima
     from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents, left_maxima, weight_cotangents
-    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles
+    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles, takes
     from jaxgrad.kan.spline import bspline_basis_elementwise
 
     def order(p):
@@ -229,18 +229,13 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     def maxima(fn):  # the row maxima alone, which the Mosaic kernels' scales come from
         return lambda p, x, g: fn(x.astype(jnp.float32), p["grid"].astype(jnp.float32), order(p))
 
-    # one chunk: the whole batch in each tile's contraction (32 tiles at 512 -> 512); groups of 5: 2 kernel calls
-    # (each its own sweep from the first interval) instead of 3 for NB + 1 = 9, at 160 accumulator registers
-    out = {"mosaic dC": jax.jit(mosaic), "mosaic dC, one batch chunk": jax.jit(mosaic_tiles(splits=1)),
-           "mosaic dC, groups of 5": jax.jit(mosaic_tiles(max_group=5))}
-    if nb is None or (nb + 1) * WideTiles().bi <= 256:  # its accumulators' columns: one wgmma's N
-        out["mosaic dC, bases as the right operand"] = jax.jit(mosaic_wide())
-        # one row block of 64 outputs per warpgroup (half the accumulator registers, twice the sweeps); the batch
-        # cut in two (twice the CTAs: 64 tiles at 512 -> 512 leave half an H100's SMs idle)
+    # "mosaic dC" is the layer's (dcoef_wide_mgpu where it takes the grid); beside it the kernel with the bases in
+    # registers as the left operand (dcoef_mgpu: 64 outputs and 3 bases a CTA), and the wide kernel's tiles: one row
+    # block of 64 outputs a warpgroup (half the accumulator registers, twice the sweeps), and the batch unsplit
+    out = {"mosaic dC": jax.jit(mosaic), "mosaic dC, bases in registers (dcoef_mgpu)": jax.jit(mosaic_tiles())}
+    if nb is None or takes(nb):
         out["mosaic dC, bases as the right operand, 128 outputs a CTA"] = jax.jit(mosaic_wide(rb=1))
-        out["mosaic dC, bases as the right operand, batch in 2"] = jax.jit(mosaic_wide(splits=2))
-        out["mosaic dC, bases as the right operand, 128 outputs a CTA, batch in 2"] = jax.jit(
-            mosaic_wide(rb=1, splits=2))
+        out["mosaic dC, bases as the right operand, one batch chunk"] = jax.jit(mosaic_wide(splits=1))
     out["dC row maxima, xla (chunks of 2048 rows)"] = jax.jit(maxima(left_maxima))
     out["dC row maxima, sweep kernel"] = jax.jit(maxima(bspline_basis_maxima))
     out["xla dC fp16_scaled"] = jax.jit(xla)

@@ -10,12 +10,15 @@ weight-gradient products (:mod:`jaxgrad.kan.dcoef_mgpu`, :mod:`jaxgrad.kan.dcoef
 basis per entry (:func:`jaxgrad.kan.spline.bspline_basis_elementwise`) and runs one reduction per chunk. Here each
 program owns ``bk`` inputs and a chunk of the batch, walks it ``bb`` rows at a time with the diagonal Cox-de Boor
 sweep (:func:`jaxgrad.kan.basis_tiles.sweep`: :math:`O(k)` operations per basis, relative rounding, so a column of
-tails keeps its magnitude), and keeps one running ``[bk]`` maximum per basis; XLA takes the maximum over the chunks.
+tails keeps its magnitude), and keeps one running ``[bb, bk]`` maximum per basis, elementwise (no reduction across
+threads in the loop); its rows are reduced once at the end, and XLA takes the maximum over the chunks.
 Rows past the batch count as 0 (no basis is negative, so 0 never raises a maximum).
 
-The sweep multiplies by reciprocal knot widths where the XLA form divides, so the two agree to a few float32 ulps;
-the scales derived from them (:func:`jaxgrad.kan.fp16_scaled.scale_exponents`) are powers of two whose choice only
-needs the magnitude.
+The sweep multiplies by reciprocal knot widths where the XLA form divides: per degree a basis value takes at most 5
+roundings in either form (difference, reciprocal or quotient, products, sum), each relative to a sum of
+non-negative terms, so the two agree to :math:`10 k u` relative (:math:`u = 2^{-24}` in float32), and SiLU to a
+few ulps of two ``exp`` implementations (the tests allow :math:`(10k + 8) u`). The scales derived from them
+(:func:`jaxgrad.kan.fp16_scaled.scale_exponents`) are powers of two whose choice only needs the magnitude.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jax.experimental import pallas as pl
 from jaxgrad import pallas_backend as pb
 from jaxgrad.kan.basis_tiles import KnotTable, interleave, knot_tables, mask2, sweep
 
-__all__ = ["bspline_basis_maxima"]
+__all__ = ["bspline_basis_maxima", "tile_shape"]
 
 
 def _kernel(x_ref, t_ref, o_ref, *, n_batch, n_in, bb, bk, steps, k, nb, nbp, n_rows):
@@ -43,12 +46,17 @@ def _kernel(x_ref, t_ref, o_ref, *, n_batch, n_in, bb, bk, steps, k, nb, nbp, n_
         row_ok = (chunk0 + j * bb + jnp.arange(bb)) < n_batch
         ok = mask2(row_ok, col_ok)
         x = pb.masked_load(x_ref.at[pl.ds(pl.multiple_of(j * bb, bb), bb), :], ok)
-        values = [b for _, b in sweep(x, tab, nb + k, k)] + [x * jax.nn.sigmoid(x)]
-        return tuple(jnp.maximum(mx, jnp.max(jnp.where(ok, jnp.abs(v), 0.0), axis=0))
-                     for mx, v in zip(maxima, values, strict=True))
+        out = list(maxima)
+        # each basis is folded into its running maximum as the sweep makes it: only the sweep's k + 1 working tiles
+        # and the maxima are live, whatever G
+        for m, basis in sweep(x, tab, nb + k, k):
+            out[m] = jnp.maximum(out[m], jnp.where(ok, jnp.abs(basis), 0.0))
+        out[nb] = jnp.maximum(out[nb], jnp.where(ok, jnp.abs(x * jax.nn.sigmoid(x)), 0.0))
+        return tuple(out)
 
-    maxima = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bk,), x_ref.dtype) for _ in range(nb + 1)))
-    tiles = [m[None, :] for m in maxima] + [jnp.zeros((1, bk), x_ref.dtype)] * (nbp - nb - 1)
+    # elementwise running maxima of whole [bb, bk] tiles: the rows are reduced once, after the walk
+    maxima = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bb, bk), x_ref.dtype) for _ in range(nb + 1)))
+    tiles = [jnp.max(m, axis=0)[None, :] for m in maxima] + [jnp.zeros((1, bk), x_ref.dtype)] * (nbp - nb - 1)
     o_ref[...] = interleave(tiles)  # [1, bk * nbp]: column i * nbp + m is basis m's maximum at input i
 
 
@@ -76,7 +84,14 @@ def _call(x, grid, *, k, bb, bk, steps, interpret):
     return jnp.max(out.reshape(n_chunks, in_pad, nbp), axis=0)[:n_in, :nb + 1].T
 
 
-def bspline_basis_maxima(x, grid, spline_order: int, *, block_b: int = 32, block_in: int = 32,
+def tile_shape(n_values: int) -> tuple[int, int]:
+    """``(block_b, block_in)`` for ``n_values`` running maxima (``G + k + 1``): ``[16, 32]`` tiles (4 values a thread
+    of 4 warps, 4 registers a maximum) up to 16 maxima, ``[16, 16]`` beyond, so that the maxima stay near 64
+    registers a thread."""
+    return (16, 32) if n_values <= 16 else (16, 16)
+
+
+def bspline_basis_maxima(x, grid, spline_order: int, *, block_b: int | None = None, block_in: int | None = None,
                          chunks: int | None = None, interpret: bool | None = None):
     """``max_b |A^{(m)}_{bi}|`` ``[NB+1, in]`` (module doc), as :func:`jaxgrad.kan.dcoef_mgpu.left_maxima` returns it.
 
@@ -84,7 +99,7 @@ def bspline_basis_maxima(x, grid, spline_order: int, *, block_b: int = 32, block
       x: ``[B, in]`` float32 or float64 (interpret mode).
       grid: ``[in, G + 2k + 1]`` knots (non-decreasing rows).
       spline_order: ``k``.
-      block_b, block_in: the rows and inputs of a sweep's tile (powers of two >= 16).
+      block_b, block_in: the rows and inputs of a sweep's tile (powers of two >= 16; default :func:`tile_shape`).
       chunks: how many parts the batch is cut into, each a program's own walk (default: enough that the programs
         fill an H100's 132 SMs twice over).
       interpret: as :func:`jaxgrad.pallas_backend.resolve_interpret`.
@@ -94,8 +109,10 @@ def bspline_basis_maxima(x, grid, spline_order: int, *, block_b: int = 32, block
     k = int(spline_order)
     if not 0 <= k <= grid.shape[-1] - 2:
         raise ValueError(f"bspline_basis_maxima: spline_order must be in [0, {grid.shape[-1] - 2}], got {k}")
+    default_b, default_in = tile_shape(grid.shape[-1] - k)
+    block_b, block_in = block_b or default_b, block_in or default_in
     for name, v in (("block_b", block_b), ("block_in", block_in)):
-        if v < 16 or v & (v - 1):
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"bspline_basis_maxima: '{name}' must be a power of two >= 16, got {v}")
     n_batch, n_in = x.shape
     if n_batch == 0:

@@ -8,7 +8,7 @@ r"""The KAN layer's weight gradients with the bases as ``wgmma``'s right operand
 :mod:`jaxgrad.kan.dcoef_mgpu` holds its bases in registers as the left operand, which bounds a CTA to
 ``[64 inputs, 64 outputs]`` accumulators for three bases at a time, so at 512 outputs each x value's sweep runs 24
 times (2.65 ms for B 16384, 512 -> 512 on an H100). Here a CTA owns ``bi`` inputs (default 16) and ``tile_o = 2 x
-rb x 64`` outputs (default 256), and the sweep of an x value runs twice per 256 outputs (once per compute
+rb x 64`` outputs (256 at ``rb = 2``), and the sweep of an x value runs twice per 256 outputs (once per compute
 warpgroup): 4 times at 512 outputs.
 
 **The kernel.** Per block of ``bb = 64`` batch rows a memory warpgroup brings, by TMA, the ``g^T`` tile ``[tile_o,
@@ -23,8 +23,14 @@ swizzle of its K width, and ``N = (NB+1) bi`` is a multiple of 16, not of 64.
 
 Scope, scaling, padding and error model: those of :mod:`jaxgrad.kan.dcoef_mgpu` (its exponents ``u``, ``t``;
 padded batch rows repeat the last row against zero rows of ``g``; padded inputs have zero knot tables, so zero
-bases). **Not yet run on a GPU:** its lowering and its operands' arrangement are checked on the CPU; its GPU test
-compares it with :func:`jaxgrad.kan.dcoef_mgpu.kan_dcoef_scaled_reference`. ``kan_linear`` does not use it yet.
+bases). Its GPU test holds it to TF32's product model against the exact float64 products at odd sizes; on the CPU its
+lowering and its operands' arrangement are checked. ``kan_linear(backend="mosaic")`` takes its weight gradients from
+it wherever it takes the grid (:func:`takes`; :mod:`jaxgrad.kan.dcoef_mgpu` beyond).
+
+**Tiles** (:meth:`WideTiles.resolved`). Two row blocks a warpgroup hold ``2 x (NB+1) bi / 2`` accumulator registers
+a thread (144 at G=5, k=3); where that exceeds :data:`ACC_REGISTERS` one row block is used (128 outputs a CTA, twice
+the sweeps). The batch is split so that the SMs share the work evenly: a 512 -> 512 layer has 32 x 2 tiles of 256
+outputs, 128 work items in two chunks (1.04 ms on an H100 against 1.52 unsplit, with the row maxima).
 """
 
 from __future__ import annotations
@@ -42,28 +48,55 @@ from jaxgrad.kan.dcoef_mgpu import _silu, check_operands, padded_operands
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands"]
+__all__ = ["ACC_REGISTERS", "WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands", "takes"]
 
 _ROWS = 64  # outputs per wgmma row block, and batch rows per step (the register tile's rows)
+
+
+#: accumulator registers a thread may hold: ``rb`` row blocks of ``[64, (NB+1) bi]`` float32 take ``rb (NB+1) bi / 2``
+#: of them, beside the sweep's working tiles (G=5, k=3: 2 x 72 = 144 ran at 1.04 ms on an H100, B 16384, 512 -> 512;
+#: G=5, k=5: 2 x 88 = 176 spilled, 9.9 ms against 2.9 with one row block; ``kan-...-20261127-192008.json``)
+ACC_REGISTERS = 144
 
 
 @dataclasses.dataclass(frozen=True)
 class WideTiles:
     """Tiles of :func:`kan_dcoef_wide_mgpu`: ``bi`` inputs per CTA (a multiple of 16), ``rb`` row blocks of 64
-    outputs per compute warpgroup, ``bb`` batch rows per pipeline stage (64: the register tile), ``stages`` in
-    flight, ``splits`` batch chunks (their partial sums added by XLA), the epilogue's piece width ``epi_tile_n``."""
+    outputs per compute warpgroup (``None``: 2 where their accumulators fit :data:`ACC_REGISTERS`, else 1), ``bb``
+    batch rows per pipeline stage (64: the register tile), ``stages`` in flight, ``splits`` batch chunks whose partial
+    sums XLA adds (``None``: the fewest that balance the tiles over the SMs, :meth:`resolved`), the epilogue's piece
+    width ``epi_tile_n``."""
 
     bi: int = 16
-    rb: int = 2
+    rb: int | None = None
     bb: int = 64
     stages: int = 3
-    splits: int = 1
+    splits: int | None = None
     epi_tile_n: int = 16
     grid_tile_width: int = 8
 
     @property
     def tile_o(self) -> int:
         return 2 * self.rb * _ROWS
+
+    def resolved(self, nb: int, batch: int, in_f: int, out_f: int, num_sms: int) -> "WideTiles":
+        """These tiles with ``rb`` and ``splits`` chosen for a layer of ``NB = nb`` bases (class doc)."""
+        rb = self.rb or (2 if 2 * (nb + 1) * self.bi // 2 <= ACC_REGISTERS else 1)
+        tiles = -(-in_f // self.bi) * -(-out_f // (2 * rb * _ROWS))
+        most = max(1, -(-batch // self.bb) // self.stages)  # at least `stages` batch blocks a chunk
+        # the persistent CTAs (one per SM) walk tiles x splits work items of 1/splits of the batch each: the time is
+        # the busiest SM's, ceil(tiles splits / SMs) / splits. Every chunk writes its own partial sums, so take the
+        # fewest chunks within 10 % of that time's minimum
+        def busiest(s):
+            return -(-tiles * s // num_sms) / s
+        best = min(busiest(s) for s in range(1, most + 1))
+        splits = self.splits or next(s for s in range(1, most + 1) if busiest(s) <= 1.1 * best)
+        return dataclasses.replace(self, rb=rb, splits=splits)
+
+
+def takes(nb: int, config: "WideTiles | None" = None) -> bool:
+    """Whether the kernel takes ``NB = nb`` bases: their ``(NB+1) bi`` columns must fit one ``wgmma`` (256)."""
+    return (nb + 1) * (config or WideTiles()).bi <= 256
 
 
 def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: int, k: int, n_rows: int):
@@ -159,7 +192,7 @@ def _call(gt, x, tab, f, *, config, nb, k, n_rows, num_sms):
 
 
 def kernel_operands(x, grid, g, spline_order: int, config: WideTiles) -> dict:
-    """The kernel's padded operands: ``gt [out_pad, b_pad]`` (the scaled cotangent, transposed, float16), ``x
+    """The kernel's padded operands for ``config`` (resolved: :meth:`WideTiles.resolved`): ``gt [out_pad, b_pad]`` (the scaled cotangent, transposed, float16), ``x
     [b_pad, in_pad]`` (float32), ``tab`` (the knot tables) and ``f [NB+1, in_pad]`` (the factors :math:`2^{u}`),
     both padded to whole KiB of rows, and the exponents ``u [NB+1, in]``, ``t [out]``."""
     c = config
@@ -186,17 +219,17 @@ def kan_dcoef_wide_mgpu(x, grid, g, spline_order: int, config: WideTiles | None 
       config: the kernel's tiles (default :class:`WideTiles`).
     """
     check_operands("kan_dcoef_wide_mgpu", x, grid, g)
-    c = config or WideTiles()
     k = int(spline_order)
     nb = grid.shape[-1] - k - 1
-    if (nb + 1) * c.bi > 256:
-        raise ValueError(f"kan_dcoef_wide_mgpu: (G + k + 1) * bi = {(nb + 1) * c.bi} exceeds wgmma's 256 columns; "
-                         f"take a smaller grid or WideTiles.bi")
-    ops = kernel_operands(x, grid, g, k, c)
+    if not takes(nb, config):
+        raise ValueError(f"kan_dcoef_wide_mgpu: (G + k + 1) * bi = {(nb + 1) * (config or WideTiles()).bi} exceeds "
+                         f"wgmma's 256 columns; take a smaller grid or WideTiles.bi")
     in_f, out_f = x.shape[1], g.shape[1]
+    sms = int(num_sms or _num_sms())
+    c = (config or WideTiles()).resolved(nb, x.shape[0], in_f, out_f, sms)
+    ops = kernel_operands(x, grid, g, k, c)
     out_pad, in_pad = ops["gt"].shape[0], ops["x"].shape[1]
-    acc = _call(ops["gt"], ops["x"], ops["tab"], ops["f"], config=c, nb=nb, k=k, n_rows=nb + k + 1,
-                num_sms=int(num_sms or _num_sms()))
+    acc = _call(ops["gt"], ops["x"], ops["tab"], ops["f"], config=c, nb=nb, k=k, n_rows=nb + k + 1, num_sms=sms)
     acc = jnp.sum(acc.reshape(c.splits, out_pad, in_pad // c.bi, nb + 1, c.bi), axis=0)
     v = jnp.transpose(acc, (2, 1, 3, 0)).reshape(nb + 1, in_pad, out_pad)[:, :in_f, :out_f]
     return fp16_scaled.unscale(v, -(ops["u"][:, :, None] + ops["t"][None, None, :]))
