@@ -138,6 +138,9 @@ def test_write_results_defaults_to_the_git_ignored_run_folder(tmp_path, monkeypa
     (["kan", "--sizes", "long"], "--sizes long is only defined for the lora and attention suites"),
     (["cnn", "--variants", "xla"], "--variants and --budget-s are only implemented for the lora, lora_model"),
     (["nosuch"], "argument suite: invalid choice: 'nosuch'"),
+    (["kan", "--grids", "20"], "argument --grids: expected G:k pairs such as 20:3,5:5, got '20'"),
+    (["kan", "--sizes", "full", "--grids", "20:3,7:2"], "--grids 7:2: the 'full' sizes have G:k 5:3, 20:3, 5:5"),
+    (["cnn", "--grids", "5:3"], "--grids is an option of the kan suite, not 'cnn'"),
     (["--repeats", "2", "verify_cost"], "verify_cost is a tool with its own options"),
 ])
 def test_bench_script_bad_arguments_exit_2_with_one_error_line(args, needle, capsys):
@@ -155,6 +158,8 @@ def test_the_kan_suite_runs_only_the_variants_named_and_stops_starting_groups_pa
 
     rows = suite_kan("small", "default", repeats=1, warmup=0, variants=["xla custom_vjp"])
     assert {r.variant for r in rows} == {"xla custom_vjp", "xla custom_vjp fp16_scaled"}
+    rows = suite_kan("small", "default", repeats=1, warmup=0, variants=["=xla custom_vjp"])
+    assert [r.variant for r in rows] == ["xla custom_vjp"]
     assert all(r.median_ms is not None for r in rows)
     rows = suite_kan("small", "default", repeats=1, warmup=0, variants=["jax.grad"], budget_s=1e-9)
     assert [r.variant for r in rows] == ["jax.grad(reference)"] and rows[0].median_ms is None
@@ -306,3 +311,10 @@ def test_a_suite_stopped_by_sigterm_writes_the_rows_it_measured(tmp_path, monkey
     assert "stopped by SIGTERM" in path.with_suffix(".txt").read_text()
     assert "stopped by SIGTERM before its end" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_the_kan_suite_runs_only_the_sizes_named():
+    from jaxgrad.bench.kan import KAN_CONFIGS, kan_configs
+
+    assert kan_configs("full", None) == KAN_CONFIGS["full"]
+    assert [(c["grid_size"], c["spline_order"]) for c in kan_configs("full", [(5, 5), (20, 3)])] == [(20, 3), (5, 5)]

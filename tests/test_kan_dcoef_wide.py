@@ -1,6 +1,7 @@
 """The weight-gradient kernel with the bases as wgmma's right operand (:mod:`jaxgrad.kan.dcoef_wide_mgpu`): its
 operands and output arrangement give :mod:`jaxgrad.kan.dcoef_mgpu`'s ``V̄`` (checked on the CPU with the kernel's
-products written in jnp), it lowers for Hopper at odd sizes, and on the GPU it stays within TF32's product model."""
+products written in jnp), at any grid (bases beyond one ``wgmma``'s columns in groups), it lowers for Hopper at odd
+sizes, its tiles follow the registers and the SMs, and on the GPU it stays within TF32's product model."""
 
 import functools
 
@@ -16,17 +17,20 @@ from jaxgrad.kan import dcoef_wide_mgpu as W
 from jaxgrad.kan.basis_tiles import KnotTable, sweep
 
 
-def _products_in_jnp(gt, x, tab, f, *, config, nb, k, n_rows, num_sms):
-    """What the kernel computes, in jnp: the same sweep over the same tables and factors, the float16 operands,
-    float32 sums, in the kernel's output arrangement (``W._kernel``'s docstring)."""
+def _products_in_jnp(gt, x, tab, f, *, config, nb, k, n_rows, num_sms, m_lo, m_hi):
+    """What the kernel computes, in jnp: the same sweep (from interval ``m_lo``) over the same tables and factors,
+    the float16 operands, float32 sums, in the kernel's output arrangement (``W._kernel``'s docstring)."""
     del num_sms
     tables = KnotTable(lambda p, r: tab[p * n_rows + r])
-    bases = [b for _, b in sweep(x, tables, nb + k, k)] + [C._silu(x)]  # each [b_pad, in_pad]
-    a16 = (jnp.stack(bases) * f[:nb + 1][:, None, :]).astype(jnp.float16)  # [NB+1, b_pad, in_pad]
+    bases = [b for _, b in sweep(x, tables, min(m_hi, nb) + k, k, start=m_lo)]  # each [b_pad, in_pad]
+    bases += [C._silu(x)] if m_hi > nb else []
+    cnt = m_hi - m_lo
+    assert len(bases) == cnt
+    a16 = (jnp.stack(bases) * f[m_lo:m_hi][:, None, :]).astype(jnp.float16)  # [cnt, b_pad, in_pad]
     acc = jnp.einsum("ob,mbi->omi", gt.astype(jnp.float32), a16.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)  # [out_pad, NB+1, in_pad]
+                     precision=jax.lax.Precision.HIGHEST)  # [out_pad, cnt, in_pad]
     out_pad, in_pad = gt.shape[0], x.shape[1]
-    acc = acc.reshape(out_pad, nb + 1, in_pad // config.bi, config.bi).transpose(0, 2, 1, 3)
+    acc = acc.reshape(out_pad, cnt, in_pad // config.bi, config.bi).transpose(0, 2, 1, 3)
     return jnp.tile(acc.reshape(out_pad, -1) / config.splits, (config.splits, 1))
 
 
@@ -34,6 +38,7 @@ def _products_in_jnp(gt, x, tab, f, *, config, nb, k, n_rows, num_sms):
     (100, 17, 9, 5, 3, 1),
     (129, 40, 300, 3, 1, 2),
     (7, 33, 520, 3, 5, 1),
+    (65, 20, 70, 20, 3, 2),  # 24 rows of V̄ in two groups of 12
 ])
 def test_the_operands_and_the_output_arrangement_give_the_scaled_reference(monkeypatch, batch, in_f, out_f,
                                                                            grid_size, order, splits):
@@ -50,6 +55,7 @@ def test_the_operands_and_the_output_arrangement_give_the_scaled_reference(monke
     (1000, 96, 33, 5, 3),
     (7, 520, 96, 3, 1),
     (129, 17, 520, 3, 5),
+    (65, 40, 70, 20, 3),
 ])
 def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out_f, grid_size, order):
     monkeypatch.setattr(W, "_num_sms", lambda: 132)
@@ -70,30 +76,39 @@ def test_two_row_blocks_where_their_accumulators_fit_and_a_batch_split_that_fill
     assert t.resolved(8, 16384, 96, 96, 132).splits == 20  # 6 x 1 tiles: 120 work items, within 10 % of 132
     assert t.resolved(8, 129, 512, 512, 132).splits == 1  # 3 blocks of 64 rows: one chunk of >= 3
     assert W.WideTiles(rb=1, splits=1).resolved(8, 16384, 512, 512, 132) == W.WideTiles(rb=1, splits=1)
-    assert W.takes(8) and W.takes(15) and not W.takes(16) and not W.takes(23)  # (NB+1) 16 <= 256
+    g20 = t.resolved(23, 16384, 512, 512, 132)  # two groups of 12 bases: 2 x 96 registers would not fit
+    assert (g20.rb, g20.splits) == (1, 1)
 
 
-def test_the_layers_weight_gradients_take_the_wide_kernel_where_it_takes_the_grid(monkeypatch):
+def test_bases_beyond_one_wgmmas_columns_go_in_equal_groups_each_a_sweep_from_its_first_interval():
+    t = W.WideTiles()
+    assert t.groups(8) == [(0, 9)]  # G=5, k=3: 9 x 16 = 144 columns
+    assert t.groups(15) == [(0, 16)]  # 256: one wgmma
+    assert t.groups(16) == [(0, 9), (9, 17)]
+    assert t.groups(23) == [(0, 12), (12, 24)]  # G=20, k=3
+    assert t.groups(40) == [(0, 14), (14, 28), (28, 41)]
+
+
+def test_the_layers_weight_gradients_take_the_wide_kernel_at_any_grid(monkeypatch):
     from jaxgrad.kan import forward_mgpu
 
     called = []
     monkeypatch.setattr(forward_mgpu, "require_hopper", lambda: None)
-    monkeypatch.setattr(W, "kan_dcoef_wide_mgpu", lambda x, grid, g, k: called.append("wide") or
-                        C.kan_dcoef_scaled_reference(x, grid, g, k))
-    monkeypatch.setattr(C, "kan_dcoef_mgpu", lambda x, grid, g, k: called.append("registers") or
+    monkeypatch.setattr(W, "kan_dcoef_wide_mgpu", lambda x, grid, g, k: called.append(grid.shape[1]) or
                         C.kan_dcoef_scaled_reference(x, grid, g, k))
     for grid_size in (5, 20):
         _, grid = _layer(0, 6, 4, grid_size=grid_size, spline_order=3)
-        C.kan_weight_cotangents(_x(0, 9, 6), grid, _cotangent(1, 9, 4), 3)
-    assert called == ["wide", "registers"]  # G=20: 24 x 16 columns exceed one wgmma
+        dc, dwb = C.kan_weight_cotangents(_x(0, 9, 6), grid, _cotangent(1, 9, 4), 3)
+        assert dc.shape == (4, 6, grid_size + 3) and dwb.shape == (4, 6)
+    assert called == [12, 27]
 
 
-def test_a_grid_whose_bases_exceed_wgmmas_columns_is_refused_by_name():
+def test_a_wrong_dtype_or_order_is_named():
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    with pytest.raises(ValueError, match=r"\(G \+ k \+ 1\) \* bi = 384 exceeds wgmma's 256 columns"):
-        jax.eval_shape(lambda *a: W.kan_dcoef_wide_mgpu(*a, 3, num_sms=132), sd(8, 4), sd(4, 27), sd(8, 3))
     with pytest.raises(ValueError, match="'g' must be float32"):
         W.kan_dcoef_wide_mgpu(sd(8, 4), sd(4, 12), jax.ShapeDtypeStruct((8, 3), jnp.bfloat16), 3)
+    with pytest.raises(ValueError, match="spline_order must be in"):
+        W.kan_dcoef_wide_mgpu(sd(8, 4), sd(4, 12), sd(8, 3), 11)
 
 
 @pytest.mark.gpu
@@ -102,6 +117,8 @@ def test_a_grid_whose_bases_exceed_wgmmas_columns_is_refused_by_name():
     (7, 520, 96, 3, 1),
     (129, 96, 96, 5, 5),
     (4096, 512, 512, 5, 3),
+    (1000, 96, 520, 20, 3),  # two groups of bases
+    (33, 520, 96, 20, 1),
 ])
 def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order):
     _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)

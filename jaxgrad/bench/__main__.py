@@ -98,11 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["default", "highest"], default="default",
                    help="jax default matmul precision for the whole run (default: %(default)s)")
     p.add_argument("--variants", default=None,
-                   help="comma-separated substrings: run only the variants whose name contains one (lora, "
-                        "lora_model, lm_head, kan suites)")
+                   help="comma-separated substrings: run only the variants whose name contains one; =NAME: exactly "
+                        "that variant (lora, lora_model, lm_head, kan suites)")
     p.add_argument("--budget-s", type=_positive_float, default=None,
                    help="wall-clock budget of the whole suite in seconds (lora, lora_model, lm_head, kan suites: "
                         "variants that do not fit are not started)")
+    p.add_argument("--grids", type=_grid_list, default=None,
+                   help="kan suite: only the sizes with these grid sizes and orders, as G:k pairs (e.g. 20:3,5:5)")
     p.add_argument("--head-grad", action="store_true",
                    help="lm_head suite: also dW, the head's gradient (default: dh only; LoRA freezes the head)")
     return p
@@ -119,6 +121,19 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _grid_list(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            g, k = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected G:k pairs such as 20:3,5:5, got {part!r}") from None
+        pairs.append((g, k))
+    if not pairs:
+        raise argparse.ArgumentTypeError(f"expected G:k pairs such as 20:3,5:5, got {text!r}")
+    return pairs
 
 
 def _positive_float(text: str) -> float:
@@ -148,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.variants or args.budget_s is not None) and args.suite not in SELECTABLE_SUITES:
         parser.error(f"--variants and --budget-s are only implemented for the {', '.join(SELECTABLE_SUITES)} "
                      f"suites, not {args.suite!r}")
+    if args.grids is not None and args.suite != "kan":
+        parser.error(f"--grids is an option of the kan suite, not {args.suite!r}")
     if args.head_grad and args.suite != "lm_head":
         parser.error(f"--head-grad is an option of the lm_head suite, not {args.suite!r}")
     if args.suite in FRESH_PROCESS_SUITES:  # variants in child processes: this one must not preallocate the GPU
@@ -167,6 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         extra["budget_s"] = args.budget_s
     if args.head_grad:
         extra["head_grad"] = True
+    if args.grids is not None:
+        from jaxgrad.bench.kan import kan_configs
+
+        try:
+            kan_configs(sizes, args.grids)
+        except ValueError as e:
+            parser.error(str(e))
+        extra["grids"] = args.grids
     terminated = False
     with ctx, bm.stops_on_sigterm() as measured:
         env = bm.environment()

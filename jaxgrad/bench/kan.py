@@ -37,6 +37,20 @@ KAN_CONFIGS = {
 }
 
 
+def kan_configs(sizes: str, grids: list[tuple[int, int]] | None = None) -> list[dict]:
+    """The layer sizes of ``sizes`` (:data:`KAN_CONFIGS`), only those whose ``(grid_size, spline_order)`` is in
+    ``grids`` when given (each pair must name one)."""
+    configs = KAN_CONFIGS[sizes]
+    if grids is None:
+        return configs
+    have = [(c["grid_size"], c["spline_order"]) for c in configs]
+    missing = [f"{g}:{k}" for g, k in grids if (g, k) not in have]
+    if missing:
+        raise ValueError(f"--grids {','.join(missing)}: the {sizes!r} sizes have G:k "
+                         f"{', '.join(f'{g}:{k}' for g, k in have)}")
+    return [c for c in configs if (c["grid_size"], c["spline_order"]) in grids]
+
+
 def kan_cost(batch: int, features: int, grid_size: int, spline_order: int, itemsize: int) -> tuple[float, float]:
     """(flops, bytes_moved) of one KAN layer fwd+bwd, in -> out = features.
 
@@ -182,12 +196,12 @@ def _basis_variants() -> dict[str, Callable]:
 
 def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     """The weight gradients alone, ``dC[o,i,m] = sum_b g[b,o] B_m(x[b,i])`` and ``dW^b = g^T silu(x)``, on the scaled
-    float16 products: the Mosaic kernels (:mod:`jaxgrad.kan.dcoef_mgpu`; :mod:`jaxgrad.kan.dcoef_wide_mgpu` where ``nb``
-    bases fit its accumulators) against XLA's."""
+    float16 products: the Mosaic kernels (:mod:`jaxgrad.kan.dcoef_wide_mgpu`, the layer's, and
+    :mod:`jaxgrad.kan.dcoef_mgpu`) against XLA's."""
     from jaxgrad.kan import fp16_scaled
     from jaxgrad.kan.basis_maxima import bspline_basis_maxima
     from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents, left_maxima, weight_cotangents
-    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles, takes
+    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles
     from jaxgrad.kan.spline import bspline_basis_elementwise
 
     def order(p):
@@ -229,13 +243,13 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     def maxima(fn):  # the row maxima alone, which the Mosaic kernels' scales come from
         return lambda p, x, g: fn(x.astype(jnp.float32), p["grid"].astype(jnp.float32), order(p))
 
-    # "mosaic dC" is the layer's (dcoef_wide_mgpu where it takes the grid); beside it the kernel with the bases in
-    # registers as the left operand (dcoef_mgpu: 64 outputs and 3 bases a CTA), and the wide kernel's tiles: one row
-    # block of 64 outputs a warpgroup (half the accumulator registers, twice the sweeps), and the batch unsplit
+    # "mosaic dC" is the layer's (dcoef_wide_mgpu); beside it the kernel with the bases in registers as the left
+    # operand (dcoef_mgpu: 64 outputs and 3 bases a CTA), and the wide kernel's tiles: one row block of 64 outputs a
+    # warpgroup (half the accumulator registers, twice the sweeps) where the default has two, and the batch unsplit
     out = {"mosaic dC": jax.jit(mosaic), "mosaic dC, bases in registers (dcoef_mgpu)": jax.jit(mosaic_tiles())}
-    if nb is None or takes(nb):
+    if nb is None or WideTiles().resolved(nb, 16384, 512, 512, 132).rb == 2:
         out["mosaic dC, bases as the right operand, 128 outputs a CTA"] = jax.jit(mosaic_wide(rb=1))
-        out["mosaic dC, bases as the right operand, one batch chunk"] = jax.jit(mosaic_wide(splits=1))
+    out["mosaic dC, bases as the right operand, one batch chunk"] = jax.jit(mosaic_wide(splits=1))
     out["dC row maxima, xla (chunks of 2048 rows)"] = jax.jit(maxima(left_maxima))
     out["dC row maxima, sweep kernel"] = jax.jit(maxima(bspline_basis_maxima))
     out["xla dC fp16_scaled"] = jax.jit(xla)
@@ -243,18 +257,20 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
 
 
 def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3, variants: list[str] | None = None,
-              budget_s: float | None = None) -> list[bm.Row]:
+              budget_s: float | None = None, grids: list[tuple[int, int]] | None = None) -> list[bm.Row]:
     """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x), and its parts.
 
-    ``variants``: substrings; only the variants whose name contains one run. ``budget_s``: a group of variants
-    (one size, dtype and part) is not started once the suite has run that long; its rows say so."""
+    ``variants``: substrings (``=name``: exactly that name); only the variants they select run. ``budget_s``: a group of variants
+    (one size, dtype and part) is not started once the suite has run that long; its rows say so. ``grids``: only
+    the sizes with these ``(grid_size, spline_order)`` pairs (:func:`kan_configs`)."""
+    from jaxgrad.bench.fresh_process import selects
     from jaxgrad.kan.layer import KANConfig, init
 
     rows: list[bm.Row] = []
     t_start = time.perf_counter()
 
     def run_variants(fns, args, sizes, **kw):
-        chosen = {n: f for n, f in fns.items() if not variants or any(v in n for v in variants)}
+        chosen = {n: f for n, f in fns.items() if not variants or selects(variants, n)}
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
             return [bm.Row("kan", n, dict(sizes), bm.dtype_name(args), kw.get("precision") or "",
                            notes=f"error: not run: the suite's time budget ({budget_s:.0f} s) is spent")
@@ -262,7 +278,7 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3,
         return bm.run_variants("kan", chosen, args, sizes, **kw) if chosen else []
 
     dtypes = (jnp.float32,) if sizes == "small" or precision == "highest" else (jnp.float32, jnp.bfloat16)
-    for cfg in KAN_CONFIGS[sizes]:
+    for cfg in kan_configs(sizes, grids):
         for dtype in dtypes:
             if dtype == jnp.bfloat16 and cfg["grid_size"] != 5:
                 continue

@@ -142,19 +142,21 @@ def affine_sweep(x, tab: KnotTable, n_intervals: int, degree: int, table_k: int)
             yield r - degree, new[degree]
 
 
-def sweep(x, tab: KnotTable, n_intervals: int, degree: int):
-    """Yield ``(j, B^degree_j(x))`` for ``j = 0 .. n_intervals-1-degree`` by the diagonal Cox-de Boor sweep of the
-    module docstring, walking the degree-0 intervals ``0 .. n_intervals-1``."""
+def sweep(x, tab: KnotTable, n_intervals: int, degree: int, start: int = 0):
+    """Yield ``(j, B^degree_j(x))`` for ``j = start .. n_intervals-1-degree`` by the diagonal Cox-de Boor sweep of the
+    module docstring, walking the degree-0 intervals ``start .. n_intervals-1``. ``B^p_j`` depends on the intervals
+    ``j .. j+p`` only, so a walk that starts at interval ``start`` makes every basis from ``j = start`` on exactly
+    (the values it would need below ``start`` are never formed)."""
     prev: list[Any] = [None] * (degree + 1)  # prev[p] = B^p_{r-1-p}
-    for r in range(n_intervals):
+    for r in range(start, n_intervals):
         new: list[Any] = [None] * (degree + 1)
         new[0] = ((x >= tab.t(r)) & (x < tab.t(r + 1))).astype(x.dtype)
-        for p in range(1, min(r, degree) + 1):
+        for p in range(1, min(r - start, degree) + 1):
             j = r - p
             new[p] = ((x - tab.t(j)) * tab.inv(p, j) * prev[p - 1]
                       + (tab.t(j + p + 1) - x) * tab.inv(p, j + 1) * new[p - 1])
         prev = new
-        if r >= degree:
+        if r >= start + degree:
             yield r - degree, new[degree]
 
 

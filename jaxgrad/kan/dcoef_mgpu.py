@@ -330,19 +330,17 @@ def kan_weight_cotangents(x, grid, g, spline_order: int):
     r"""The layer's weight gradients on ``backend="mosaic"``: ``(dC [out, in, NB], dW^b [out, in])`` from
     ``V̄`` (``dC_{oim} = V̄^{(m)}_{io}``, ``dW^b_{oi} = V̄^{(NB)}_{io}``). Float32 arrays on a Hopper GPU take
     :func:`jaxgrad.kan.dcoef_wide_mgpu.kan_dcoef_wide_mgpu` (the bases as the right operand: one sweep of an x value
-    for 256 outputs) where its accumulators take the grid, else :func:`kan_dcoef_mgpu`; float64 arrays (the
-    verifier's float64 re-run, CPU tests) take :func:`kan_dcoef_scaled_reference`, the same scaled products without
-    the float16 rounding."""
-    from jaxgrad.kan import dcoef_wide_mgpu
+    for 256 outputs; this module's kernel, three bases and 64 outputs a sweep, stays as the bench's comparison);
+    float64 arrays (the verifier's float64 re-run, CPU tests) take :func:`kan_dcoef_scaled_reference`, the same
+    scaled products without the float16 rounding."""
+    from jaxgrad.kan.dcoef_wide_mgpu import kan_dcoef_wide_mgpu
     from jaxgrad.kan.forward_mgpu import require_hopper
 
     if x.dtype == jnp.float64:
         v = kan_dcoef_scaled_reference(x, grid, g, spline_order)
     else:
         require_hopper()
-        nb = grid.shape[-1] - int(spline_order) - 1
-        wide = dcoef_wide_mgpu.takes(nb)
-        v = (dcoef_wide_mgpu.kan_dcoef_wide_mgpu if wide else kan_dcoef_mgpu)(x, grid, g, spline_order)
+        v = kan_dcoef_wide_mgpu(x, grid, g, spline_order)
     return weight_cotangents(v)
 
 

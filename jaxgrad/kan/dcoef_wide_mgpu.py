@@ -25,10 +25,15 @@ Scope, scaling, padding and error model: those of :mod:`jaxgrad.kan.dcoef_mgpu` 
 padded batch rows repeat the last row against zero rows of ``g``; padded inputs have zero knot tables, so zero
 bases). Its GPU test holds it to TF32's product model against the exact float64 products at odd sizes; on the CPU its
 lowering and its operands' arrangement are checked. ``kan_linear(backend="mosaic")`` takes its weight gradients from
-it wherever it takes the grid (:func:`takes`; :mod:`jaxgrad.kan.dcoef_mgpu` beyond).
+it.
 
-**Tiles** (:meth:`WideTiles.resolved`). Two row blocks a warpgroup hold ``2 x (NB+1) bi / 2`` accumulator registers
-a thread (144 at G=5, k=3); where that exceeds :data:`ACC_REGISTERS` one row block is used (128 outputs a CTA, twice
+**Groups of bases** (:meth:`WideTiles.groups`). A ``wgmma`` has at most 256 columns, 16 bases of 16 inputs: more
+bases (G=20, k=3: 24 with SiLU) are made by several kernel calls, each for the rows ``m_lo .. m_hi - 1`` of ``V̄``.
+Each call's sweep starts at interval ``m_lo`` (:func:`jaxgrad.kan.basis_tiles.sweep`'s ``start``: a basis depends
+on ``k + 1`` intervals only), so the groups share the sweep's work instead of repeating it.
+
+**Tiles** (:meth:`WideTiles.resolved`). Two row blocks a warpgroup hold ``2 x cnt bi / 2`` accumulator registers
+a thread for a group of ``cnt`` rows (144 at G=5, k=3); where that exceeds :data:`ACC_REGISTERS` one row block is used (128 outputs a CTA, twice
 the sweeps). The batch is split so that the SMs share the work evenly: a 512 -> 512 layer has 32 x 2 tiles of 256
 outputs, 128 work items in two chunks (1.04 ms on an H100 against 1.52 unsplit, with the row maxima).
 """
@@ -48,7 +53,7 @@ from jaxgrad.kan.dcoef_mgpu import _silu, check_operands, padded_operands
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["ACC_REGISTERS", "WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands", "takes"]
+__all__ = ["ACC_REGISTERS", "WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands"]
 
 _ROWS = 64  # outputs per wgmma row block, and batch rows per step (the register tile's rows)
 
@@ -81,7 +86,8 @@ class WideTiles:
 
     def resolved(self, nb: int, batch: int, in_f: int, out_f: int, num_sms: int) -> "WideTiles":
         """These tiles with ``rb`` and ``splits`` chosen for a layer of ``NB = nb`` bases (class doc)."""
-        rb = self.rb or (2 if 2 * (nb + 1) * self.bi // 2 <= ACC_REGISTERS else 1)
+        cnt = max(hi - lo for lo, hi in self.groups(nb))
+        rb = self.rb or (2 if 2 * cnt * self.bi // 2 <= ACC_REGISTERS else 1)
         tiles = -(-in_f // self.bi) * -(-out_f // (2 * rb * _ROWS))
         most = max(1, -(-batch // self.bb) // self.stages)  # at least `stages` batch blocks a chunk
         # the persistent CTAs (one per SM) walk tiles x splits work items of 1/splits of the batch each: the time is
@@ -93,21 +99,27 @@ class WideTiles:
         splits = self.splits or next(s for s in range(1, most + 1) if busiest(s) <= 1.1 * best)
         return dataclasses.replace(self, rb=rb, splits=splits)
 
+    def groups(self, nb: int) -> list[tuple[int, int]]:
+        """The rows ``m_lo .. m_hi - 1`` of ``V̄`` each kernel call makes: as few equal groups as keep a group's
+        ``(m_hi - m_lo) bi`` columns within one ``wgmma`` (256); G=20, k=3 takes two groups of 12."""
+        n = -(-(nb + 1) * self.bi // 256)
+        cnt = -(-(nb + 1) // n)
+        return [(lo, min(nb + 1, lo + cnt)) for lo in range(0, nb + 1, cnt)]
 
-def takes(nb: int, config: "WideTiles | None" = None) -> bool:
-    """Whether the kernel takes ``NB = nb`` bases: their ``(NB+1) bi`` columns must fit one ``wgmma`` (256)."""
-    return (nb + 1) * (config or WideTiles()).bi <= 256
 
 
-def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: int, k: int, n_rows: int):
-    r"""``out [splits * out_pad, in_tiles * (NB+1) * bi]`` (fp32): row ``s * out_pad + o``, column ``(c (NB+1) + m)
-    bi + j`` holds :math:`\sum_b g^\top_{ob} A^{(m)}_{b, c bi + j}` over batch chunk ``s``, both factors scaled."""
+
+def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: int, k: int, n_rows: int,
+            m_lo: int, m_hi: int):
+    r"""``out [splits * out_pad, in_tiles * cnt * bi]`` (fp32, ``cnt = m_hi - m_lo``): row ``s * out_pad + o``, column
+    ``(c cnt + m - m_lo) bi + j`` holds :math:`\sum_b g^\top_{ob} A^{(m)}_{b, c bi + j}` over batch chunk ``s``, both
+    factors scaled."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     out_pad, m_rows = gt_gmem.shape
     bi, bb, rb, tile_o, splits = cfg.bi, cfg.bb, cfg.rb, cfg.tile_o, cfg.splits
-    n_cols = (nb + 1) * bi
+    n_cols = (m_hi - m_lo) * bi
     n_tab, f_rows = tab_gmem.shape[0], f_gmem.shape[0]
     i_iters, o_iters = x_gmem.shape[1] // bi, out_pad // tile_o
     chunk = m_rows // splits
@@ -163,9 +175,12 @@ def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: 
             def mma_body(_, gt_smem, x_smem, accs):
                 x = x_smem[...]  # [bb rows, bi inputs] fp32: a 64-row register tile, as wgmma's layout needs
                 tab = KnotTable(lambda p, r: bcast(tab_smem[wg, p * n_rows + r]), expand=lambda row: row)
-                for m, basis in sweep(x, tab, nb + k, k):
-                    b_smem[wg, :, pl.ds(m * bi, bi)] = (basis * bcast(f_smem[wg, m])).astype(jnp.float16)
-                b_smem[wg, :, pl.ds(nb * bi, bi)] = (_silu(x) * bcast(f_smem[wg, nb])).astype(jnp.float16)
+                # the group's bases only: the walk starts at interval m_lo and stops once B_{m_hi - 1} is made
+                for m, basis in sweep(x, tab, min(m_hi, nb) + k, k, start=m_lo):
+                    b_smem[wg, :, pl.ds((m - m_lo) * bi, bi)] = (basis * bcast(f_smem[wg, m])).astype(jnp.float16)
+                if m_hi > nb:
+                    b_smem[wg, :, pl.ds((nb - m_lo) * bi, bi)] = (_silu(x) * bcast(f_smem[wg, nb])).astype(
+                        jnp.float16)
                 plgpu.commit_smem()
                 for kq in range(bb // 16):  # wgmma's K groups: the swizzle (16 float16) of both operands
                     for j in range(rb):
@@ -180,12 +195,12 @@ def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "nb", "k", "n_rows", "num_sms"))
-def _call(gt, x, tab, f, *, config, nb, k, n_rows, num_sms):
+@functools.partial(jax.jit, static_argnames=("config", "nb", "k", "n_rows", "num_sms", "m_lo", "m_hi"))
+def _call(gt, x, tab, f, *, config, nb, k, n_rows, num_sms, m_lo, m_hi):
     out_pad = gt.shape[0]
     fn = mgpu_common.persistent_kernel(
-        functools.partial(_kernel, cfg=config, nb=nb, k=k, n_rows=n_rows),
-        jax.ShapeDtypeStruct((config.splits * out_pad, (x.shape[1] // config.bi) * (nb + 1) * config.bi),
+        functools.partial(_kernel, cfg=config, nb=nb, k=k, n_rows=n_rows, m_lo=m_lo, m_hi=m_hi),
+        jax.ShapeDtypeStruct((config.splits * out_pad, (x.shape[1] // config.bi) * (m_hi - m_lo) * config.bi),
                              jnp.float32),
         num_sms)
     return fn(gt, x, tab, f)
@@ -220,16 +235,19 @@ def kan_dcoef_wide_mgpu(x, grid, g, spline_order: int, config: WideTiles | None 
     """
     check_operands("kan_dcoef_wide_mgpu", x, grid, g)
     k = int(spline_order)
+    if not 0 <= k <= grid.shape[-1] - 2:
+        raise ValueError(f"kan_dcoef_wide_mgpu: spline_order must be in [0, {grid.shape[-1] - 2}], got {k}")
     nb = grid.shape[-1] - k - 1
-    if not takes(nb, config):
-        raise ValueError(f"kan_dcoef_wide_mgpu: (G + k + 1) * bi = {(nb + 1) * (config or WideTiles()).bi} exceeds "
-                         f"wgmma's 256 columns; take a smaller grid or WideTiles.bi")
     in_f, out_f = x.shape[1], g.shape[1]
     sms = int(num_sms or _num_sms())
     c = (config or WideTiles()).resolved(nb, x.shape[0], in_f, out_f, sms)
     ops = kernel_operands(x, grid, g, k, c)
     out_pad, in_pad = ops["gt"].shape[0], ops["x"].shape[1]
-    acc = _call(ops["gt"], ops["x"], ops["tab"], ops["f"], config=c, nb=nb, k=k, n_rows=nb + k + 1, num_sms=sms)
-    acc = jnp.sum(acc.reshape(c.splits, out_pad, in_pad // c.bi, nb + 1, c.bi), axis=0)
-    v = jnp.transpose(acc, (2, 1, 3, 0)).reshape(nb + 1, in_pad, out_pad)[:, :in_f, :out_f]
+    parts = []
+    for m_lo, m_hi in c.groups(nb):
+        acc = _call(ops["gt"], ops["x"], ops["tab"], ops["f"], config=c, nb=nb, k=k, n_rows=nb + k + 1,
+                    num_sms=sms, m_lo=m_lo, m_hi=m_hi)
+        acc = jnp.sum(acc.reshape(c.splits, out_pad, in_pad // c.bi, m_hi - m_lo, c.bi), axis=0)
+        parts.append(jnp.transpose(acc, (2, 1, 3, 0)).reshape(m_hi - m_lo, in_pad, out_pad))
+    v = jnp.concatenate(parts)[:, :in_f, :out_f]
     return fp16_scaled.unscale(v, -(ops["u"][:, :, None] + ops["t"][None, None, :]))
