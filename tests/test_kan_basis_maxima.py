@@ -1,7 +1,8 @@
 """The bases' column maxima over the batch in one Pallas kernel (:mod:`jaxgrad.kan.basis_maxima`), the row scales of
 the float16 weight-gradient products: (1) they are XLA's chunked maxima (``dcoef_mgpu.left_maxima``) to float32
-rounding (float64: to its own; module doc: (10k + 8) ulps) at odd sizes, G 3 / 20, k 1 / 5, whatever the chunking; (2) rows past the batch never
-raise a maximum; (3) what it refuses is named; (4) on a GPU (marked ``gpu``) the compiled kernel agrees as well."""
+rounding (float64: to its own; the module's model, (10k + 8) ulps) at odd sizes, G 3 / 20, k 1 / 5, whatever the
+chunking; (2) rows past the batch never raise a maximum; (3) what it refuses is named; (4) on a GPU (marked
+``gpu``) the compiled kernel agrees as well."""
 
 import jax
 import jax.numpy as jnp

@@ -260,8 +260,8 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3,
               budget_s: float | None = None, grids: list[tuple[int, int]] | None = None) -> list[bm.Row]:
     """One KAN layer fwd+bwd (``value_and_grad`` of ``mean(y^2)`` w.r.t. all trained params and x), and its parts.
 
-    ``variants``: substrings (``=name``: exactly that name); only the variants they select run. ``budget_s``: a group of variants
-    (one size, dtype and part) is not started once the suite has run that long; its rows say so. ``grids``: only
+    ``variants``: substrings (``=name``: exactly that name); only the variants they select run. ``budget_s``: a
+    group of variants (one size, dtype and part) is not started once the suite has run that long; its rows say so. ``grids``: only
     the sizes with these ``(grid_size, spline_order)`` pairs (:func:`kan_configs`)."""
     from jaxgrad.bench.fresh_process import selects
     from jaxgrad.kan.layer import KANConfig, init

@@ -16,7 +16,7 @@ bb]`` (float16, scaled per output by XLA, which transposes ``g`` once) and the `
 Each compute warpgroup runs the plain Cox-de Boor sweep (:func:`jaxgrad.kan.basis_tiles.sweep`: a column of tails
 needs relative accuracy) on the ``[64 rows, bi]`` register tile (knot rows broadcast along its rows), scales basis
 ``m`` by :math:`2^{u_{mi}}`, writes it as float16 into columns ``m bi .. (m+1) bi`` of its own ``[bb, (NB+1) bi]``
-shared-memory tile, and issues, for each of its ``rb`` row blocks of 64 outputs and each 16-row K group, a
+shared-memory tile (for one group of bases: below), and issues, for each of its ``rb`` row blocks of 64 outputs and each 16-row K group, a
 ``wgmma`` into that row block's accumulator ``[64, (NB+1) bi]`` (G=5, k=3: ``N = 144``, 72 registers a thread
 each). Both operands take the 32-byte swizzle of a 16-element K group: a right operand stored ``[K, N]`` takes the
 swizzle of its K width, and ``N = (NB+1) bi`` is a multiple of 16, not of 64.
@@ -33,8 +33,8 @@ Each call's sweep starts at interval ``m_lo`` (:func:`jaxgrad.kan.basis_tiles.sw
 on ``k + 1`` intervals only), so the groups share the sweep's work instead of repeating it.
 
 **Tiles** (:meth:`WideTiles.resolved`). Two row blocks a warpgroup hold ``2 x cnt bi / 2`` accumulator registers
-a thread for a group of ``cnt`` rows (144 at G=5, k=3); where that exceeds :data:`ACC_REGISTERS` one row block is used (128 outputs a CTA, twice
-the sweeps). The batch is split so that the SMs share the work evenly: a 512 -> 512 layer has 32 x 2 tiles of 256
+a thread for a group of ``cnt`` rows (144 at G=5, k=3); where that exceeds :data:`ACC_REGISTERS` one row block is
+used (128 outputs a CTA, twice the sweeps). The batch is split so that the SMs share the work evenly: a 512 -> 512 layer has 32 x 2 tiles of 256
 outputs, 128 work items in two chunks (1.04 ms on an H100 against 1.52 unsplit, with the row maxima).
 """
 
@@ -58,8 +58,8 @@ __all__ = ["ACC_REGISTERS", "WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands
 _ROWS = 64  # outputs per wgmma row block, and batch rows per step (the register tile's rows)
 
 
-#: accumulator registers a thread may hold: ``rb`` row blocks of ``[64, (NB+1) bi]`` float32 take ``rb (NB+1) bi / 2``
-#: of them, beside the sweep's working tiles (G=5, k=3: 2 x 72 = 144 ran at 1.04 ms on an H100, B 16384, 512 -> 512;
+#: accumulator registers a thread may hold: ``rb`` row blocks of ``[64, cnt bi]`` float32 (a group of ``cnt`` bases)
+#: take ``rb cnt bi / 2`` of them, beside the sweep's working tiles (G=5, k=3: 2 x 72 = 144 ran at 1.04 ms on an H100, B 16384, 512 -> 512;
 #: G=5, k=5: 2 x 88 = 176 spilled, 9.9 ms against 2.9 with one row block; ``kan-...-20261127-192008.json``)
 ACC_REGISTERS = 144
 
@@ -105,8 +105,6 @@ class WideTiles:
         n = -(-(nb + 1) * self.bi // 256)
         cnt = -(-(nb + 1) // n)
         return [(lo, min(nb + 1, lo + cnt)) for lo in range(0, nb + 1, cnt)]
-
-
 
 
 def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: int, k: int, n_rows: int,
@@ -207,9 +205,10 @@ def _call(gt, x, tab, f, *, config, nb, k, n_rows, num_sms, m_lo, m_hi):
 
 
 def kernel_operands(x, grid, g, spline_order: int, config: WideTiles) -> dict:
-    """The kernel's padded operands for ``config`` (resolved: :meth:`WideTiles.resolved`): ``gt [out_pad, b_pad]`` (the scaled cotangent, transposed, float16), ``x
-    [b_pad, in_pad]`` (float32), ``tab`` (the knot tables) and ``f [NB+1, in_pad]`` (the factors :math:`2^{u}`),
-    both padded to whole KiB of rows, and the exponents ``u [NB+1, in]``, ``t [out]``."""
+    """The kernel's padded operands for ``config`` (resolved: :meth:`WideTiles.resolved`): ``gt [out_pad, b_pad]``
+    (the scaled cotangent, transposed, float16), ``x [b_pad, in_pad]`` (float32), ``tab`` (the knot tables) and ``f
+    [NB+1, in_pad]`` (the factors :math:`2^{u}`), both padded to whole KiB of rows, and the exponents ``u [NB+1,
+    in]``, ``t [out]``."""
     c = config
     b_pad = -(-x.shape[0] // (c.bb * c.splits)) * c.bb * c.splits
     in_pad = -(-x.shape[1] // c.bi) * c.bi
