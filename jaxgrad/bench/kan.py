@@ -200,8 +200,8 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     :mod:`jaxgrad.kan.dcoef_mgpu`) against XLA's."""
     from jaxgrad.kan import fp16_scaled
     from jaxgrad.kan.basis_maxima import bspline_basis_maxima
-    from jaxgrad.kan.dcoef_mgpu import kan_weight_cotangents, left_maxima, weight_cotangents
-    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles
+    from jaxgrad.kan.dcoef_mgpu import left_maxima, weight_cotangents
+    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles, kan_weight_cotangents
     from jaxgrad.kan.spline import bspline_basis_elementwise
 
     def order(p):

@@ -59,7 +59,7 @@ from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
 __all__ = ["DcoefTiles", "batch_splits", "check_operands", "kan_dcoef_mgpu", "kan_dcoef_scaled_reference",
-           "kan_weight_cotangents", "kernel_operands", "left_maxima", "left_operand", "padded_operands",
+           "kernel_operands", "left_maxima", "left_operand", "padded_operands",
            "scaled_operands", "weight_cotangents"]
 
 _ROWS = 64  # inputs per compute warpgroup: the wgmma M
@@ -324,24 +324,6 @@ def kan_dcoef_mgpu(x, grid, g, spline_order: int, config: DcoefTiles | None = No
         parts.append(jnp.sum(acc.reshape(splits, m_hi - m_lo, in_pad, out_pad), axis=0))
     acc = jnp.concatenate(parts)[:, :in_f, :out_f]
     return fp16_scaled.unscale(acc, -(ops["u"][:, :, None] + ops["t"][None, None, :]))
-
-
-def kan_weight_cotangents(x, grid, g, spline_order: int):
-    r"""The layer's weight gradients on ``backend="mosaic"``: ``(dC [out, in, NB], dW^b [out, in])`` from
-    ``V̄`` (``dC_{oim} = V̄^{(m)}_{io}``, ``dW^b_{oi} = V̄^{(NB)}_{io}``). Float32 arrays on a Hopper GPU take
-    :func:`jaxgrad.kan.dcoef_wide_mgpu.kan_dcoef_wide_mgpu` (the bases as the right operand: one sweep of an x value
-    for 256 outputs; this module's kernel, three bases and 64 outputs a sweep, stays as the bench's comparison);
-    float64 arrays (the verifier's float64 re-run, CPU tests) take :func:`kan_dcoef_scaled_reference`, the same
-    scaled products without the float16 rounding."""
-    from jaxgrad.kan.dcoef_wide_mgpu import kan_dcoef_wide_mgpu
-    from jaxgrad.kan.forward_mgpu import require_hopper
-
-    if x.dtype == jnp.float64:
-        v = kan_dcoef_scaled_reference(x, grid, g, spline_order)
-    else:
-        require_hopper()
-        v = kan_dcoef_wide_mgpu(x, grid, g, spline_order)
-    return weight_cotangents(v)
 
 
 def weight_cotangents(v):

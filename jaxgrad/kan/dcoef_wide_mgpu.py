@@ -49,11 +49,12 @@ from jax import lax
 
 from jaxgrad.kan import fp16_scaled
 from jaxgrad.kan.basis_tiles import KnotTable, pad_to, sweep
-from jaxgrad.kan.dcoef_mgpu import _silu, check_operands, padded_operands
+from jaxgrad.kan.dcoef_mgpu import (_silu, check_operands, kan_dcoef_scaled_reference, padded_operands,
+                                    weight_cotangents)
 from jaxgrad.ops import mgpu_common
 from jaxgrad.ops.mgpu_common import num_sms as _num_sms
 
-__all__ = ["ACC_REGISTERS", "WideTiles", "kan_dcoef_wide_mgpu", "kernel_operands"]
+__all__ = ["ACC_REGISTERS", "WideTiles", "kan_dcoef_wide_mgpu", "kan_weight_cotangents", "kernel_operands"]
 
 _ROWS = 64  # outputs per wgmma row block, and batch rows per step (the register tile's rows)
 
@@ -250,3 +251,21 @@ def kan_dcoef_wide_mgpu(x, grid, g, spline_order: int, config: WideTiles | None 
         parts.append(jnp.transpose(acc, (2, 1, 3, 0)).reshape(m_hi - m_lo, in_pad, out_pad))
     v = jnp.concatenate(parts)[:, :in_f, :out_f]
     return fp16_scaled.unscale(v, -(ops["u"][:, :, None] + ops["t"][None, None, :]))
+
+
+def kan_weight_cotangents(x, grid, g, spline_order: int):
+    r"""The layer's weight gradients on ``backend="mosaic"``: ``(dC [out, in, NB], dW^b [out, in])`` from
+    ``V̄`` (``dC_{oim} = V̄^{(m)}_{io}``, ``dW^b_{oi} = V̄^{(NB)}_{io}``). Float32 arrays on a Hopper GPU take
+    :func:`kan_dcoef_wide_mgpu` (the bases as the right operand: one sweep of an x value for 256 outputs;
+    :mod:`jaxgrad.kan.dcoef_mgpu`'s kernel, three bases and 64 outputs a sweep, stays as the
+    bench's comparison); float64 arrays (the verifier's float64 re-run, CPU tests) take
+    :func:`jaxgrad.kan.dcoef_mgpu.kan_dcoef_scaled_reference`, the same scaled products without the float16
+    rounding."""
+    from jaxgrad.kan.forward_mgpu import require_hopper
+
+    if x.dtype == jnp.float64:
+        v = kan_dcoef_scaled_reference(x, grid, g, spline_order)
+    else:
+        require_hopper()
+        v = kan_dcoef_wide_mgpu(x, grid, g, spline_order)
+    return weight_cotangents(v)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrad.checks import check_float_dtype, check_key, check_precision
-from jaxgrad.kan import dcoef_mgpu, dx_mgpu, forward_mgpu, fp16_scaled
+from jaxgrad.kan import dcoef_wide_mgpu, dx_mgpu, forward_mgpu, fp16_scaled
 from jaxgrad.kan.spline import (bspline_basis, bspline_basis_and_derivative, bspline_basis_elementwise,
                                 curve_to_coefficients, make_grid, spline_order_of)
 
@@ -364,7 +364,7 @@ def _backward_math(p, x, g, k, backend, precision, interpret):
     coef = _coef(p)
     nb = coef.shape[-1]
     if backend == "mosaic":  # dx (both branches) in one kernel, the weight gradients (both branches) in another
-        dcoef, dbase = dcoef_mgpu.kan_weight_cotangents(x, p["grid"], g, k)
+        dcoef, dbase = dcoef_wide_mgpu.kan_weight_cotangents(x, p["grid"], g, k)
         dx = dx_mgpu.kan_dx(x, p["grid"], coef, p["base_weight"], g, k)
         return _weight_grads(p, g, silu, dcoef, None, dbase=dbase), dx
     if backend == "pallas":
