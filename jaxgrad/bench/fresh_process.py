@@ -98,16 +98,11 @@ def run_child_process(cmd: list[str], failed: bm.Row, *, timeout: float, label: 
     return failed
 
 
-def selects(variants, name: str) -> bool:
-    """Whether ``variants`` (substrings; ``=name`` exact) select ``name``."""
-    return any(name == v[1:] if v.startswith("=") else v in name for v in variants)
-
-
 def select_variants(all_names: list[str], variants, suite: str, known: list[str] | None = None) -> list[str]:
     """The names selected by ``variants`` (substrings; ``=name`` exact), all of them when ``variants`` is empty."""
     if not variants:
         return list(all_names)
-    names = [n for n in all_names if selects(variants, n)]
+    names = [n for n in all_names if bm.selects(variants, n)]
     if not names:
         raise ValueError(f"{suite} bench: --variants {variants} selects none of {known or all_names}")
     return names

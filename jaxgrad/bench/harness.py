@@ -74,6 +74,7 @@ __all__ = [
     "provenance",
     "result_stem",
     "run_variants",
+    "selects",
     "stops_on_sigterm",
     "time_fn",
     "write_results",
@@ -237,6 +238,11 @@ def stops_on_sigterm():
     finally:
         _MEASURED.pop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def selects(variants, name: str) -> bool:
+    """Whether ``variants`` (``--variants``: substrings; ``=name`` exact) select the variant ``name``."""
+    return any(name == v[1:] if v.startswith("=") else v in name for v in variants)
 
 
 def run_variants(

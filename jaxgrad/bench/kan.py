@@ -198,29 +198,24 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     """The weight gradients alone, ``dC[o,i,m] = sum_b g[b,o] B_m(x[b,i])`` and ``dW^b = g^T silu(x)``, on the scaled
     float16 products: the Mosaic kernels (:mod:`jaxgrad.kan.dcoef_wide_mgpu`, the layer's, and
     :mod:`jaxgrad.kan.dcoef_mgpu`) against XLA's."""
+    import dataclasses
+
     from jaxgrad.kan import fp16_scaled
     from jaxgrad.kan.basis_maxima import bspline_basis_maxima
-    from jaxgrad.kan.dcoef_mgpu import left_maxima, weight_cotangents
-    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles, kan_weight_cotangents
+    from jaxgrad.kan.dcoef_mgpu import DcoefTiles, kan_dcoef_mgpu, left_maxima, weight_cotangents
+    from jaxgrad.kan.dcoef_wide_mgpu import WideTiles, kan_dcoef_wide_mgpu, kan_weight_cotangents
     from jaxgrad.kan.spline import bspline_basis_elementwise
 
     def order(p):
         return p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
 
-    def mosaic(p, x, g):
-        return kan_weight_cotangents(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g, order(p))
+    def on_f32(fn, with_g=True, **kw):  # fn(x, grid, [g,] k, **kw) on the float32 operands the kernels take
+        return lambda p, x, g: fn(x.astype(jnp.float32), p["grid"].astype(jnp.float32), *((g,) if with_g else ()),
+                                  order(p), **kw)
 
-    def mosaic_tiles(**tiles):
-        import dataclasses
-
-        from jaxgrad.kan.dcoef_mgpu import DcoefTiles, kan_dcoef_mgpu
-
-        cfg = dataclasses.replace(DcoefTiles(), **tiles)
-
-        def f(p, x, g):
-            return weight_cotangents(kan_dcoef_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g,
-                                                    order(p), config=cfg))
-        return f
+    def tiled(kernel, tiles_cls, **tiles):  # a kernel's V̄ at tiles other than its defaults, as (dC, dW^b)
+        v = on_f32(kernel, config=dataclasses.replace(tiles_cls(), **tiles))
+        return lambda p, x, g: weight_cotangents(v(p, x, g))
 
     def xla(p, x, g):
         x = x.astype(jnp.float32)
@@ -228,30 +223,19 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
         dcoef = fp16_scaled.matmul(g.T, phi.reshape(x.shape[0], -1)).reshape(g.shape[1], x.shape[1], -1)
         return dcoef, fp16_scaled.matmul(g.T, x * jax.nn.sigmoid(x))
 
-    def mosaic_wide(**tiles):  # the bases as the right operand: one sweep for 256 outputs (dcoef_wide_mgpu)
-        import dataclasses
-
-        from jaxgrad.kan.dcoef_wide_mgpu import kan_dcoef_wide_mgpu
-
-        cfg = dataclasses.replace(WideTiles(), **tiles)
-
-        def f(p, x, g):
-            return weight_cotangents(kan_dcoef_wide_mgpu(x.astype(jnp.float32), p["grid"].astype(jnp.float32), g,
-                                                         order(p), config=cfg))
-        return f
-
-    def maxima(fn):  # the row maxima alone, which the Mosaic kernels' scales come from
-        return lambda p, x, g: fn(x.astype(jnp.float32), p["grid"].astype(jnp.float32), order(p))
-
     # "mosaic dC" is the layer's (dcoef_wide_mgpu); beside it the kernel with the bases in registers as the left
     # operand (dcoef_mgpu: 64 outputs and 3 bases a CTA), and the wide kernel's tiles: one row block of 64 outputs a
     # warpgroup (half the accumulator registers, twice the sweeps) where the default has two, and the batch unsplit
-    out = {"mosaic dC": jax.jit(mosaic), "mosaic dC, bases in registers (dcoef_mgpu)": jax.jit(mosaic_tiles())}
+    out = {"mosaic dC": jax.jit(on_f32(kan_weight_cotangents)),
+           "mosaic dC, bases in registers (dcoef_mgpu)": jax.jit(tiled(kan_dcoef_mgpu, DcoefTiles))}
     if nb is None or WideTiles().resolved(nb, 16384, 512, 512, 132).rb == 2:
-        out["mosaic dC, bases as the right operand, 128 outputs a CTA"] = jax.jit(mosaic_wide(rb=1))
-    out["mosaic dC, bases as the right operand, one batch chunk"] = jax.jit(mosaic_wide(splits=1))
-    out["dC row maxima, xla (chunks of 2048 rows)"] = jax.jit(maxima(left_maxima))
-    out["dC row maxima, sweep kernel"] = jax.jit(maxima(bspline_basis_maxima))
+        out["mosaic dC, bases as the right operand, 128 outputs a CTA"] = jax.jit(
+            tiled(kan_dcoef_wide_mgpu, WideTiles, rb=1))
+    out["mosaic dC, bases as the right operand, one batch chunk"] = jax.jit(
+        tiled(kan_dcoef_wide_mgpu, WideTiles, splits=1))
+    # the row maxima alone, which the Mosaic kernels' scales come from
+    out["dC row maxima, xla (chunks of 2048 rows)"] = jax.jit(on_f32(left_maxima, with_g=False))
+    out["dC row maxima, sweep kernel"] = jax.jit(on_f32(bspline_basis_maxima, with_g=False))
     out["xla dC fp16_scaled"] = jax.jit(xla)
     return out
 
@@ -263,14 +247,13 @@ def suite_kan(sizes: str, precision: str, *, repeats: int = 20, warmup: int = 3,
     ``variants``: substrings (``=name``: exactly that name); only the variants they select run. ``budget_s``: a
     group of variants (one size, dtype and part) is not started once the suite has run that long; its rows say so. ``grids``: only
     the sizes with these ``(grid_size, spline_order)`` pairs (:func:`kan_configs`)."""
-    from jaxgrad.bench.fresh_process import selects
     from jaxgrad.kan.layer import KANConfig, init
 
     rows: list[bm.Row] = []
     t_start = time.perf_counter()
 
     def run_variants(fns, args, sizes, **kw):
-        chosen = {n: f for n, f in fns.items() if not variants or selects(variants, n)}
+        chosen = {n: f for n, f in fns.items() if not variants or bm.selects(variants, n)}
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
             return [bm.Row("kan", n, dict(sizes), bm.dtype_name(args), kw.get("precision") or "",
                            notes=f"error: not run: the suite's time budget ({budget_s:.0f} s) is spent")
