@@ -3,7 +3,7 @@
     python -m jaxgrad.bench SUITE [--sizes small|full|long] [--out runs/bench] [--repeats N] [--warmup N]
                                   [--precision default|highest] [--variants SUBSTR,...] [--budget-s S]
     python -m jaxgrad.bench TOOL [its own options]     # verify_cost, verify_false_alarms, verify_detection_limits,
-                                                       # verify_detection_timing, lora_profile, kan_profile,
+                                                       # verify_detection_timing, lora_profile, kan_profile, kan_trace,
                                                        # lora_curve_drift,
                                                        # nf4_matmul, tf32_rounding, llama_real, scaling
 
@@ -57,6 +57,7 @@ TOOLS: dict[str, str] = {
     "verify_detection_timing": "jaxgrad.bench.verify_detection_timing",
     "lora_profile": "jaxgrad.bench.lora_profile",
     "kan_profile": "jaxgrad.bench.kan_profile",
+    "kan_trace": "jaxgrad.bench.kan_trace",
     "lora_curve_drift": "jaxgrad.bench.lora_curve_drift",
     "nf4_matmul": "jaxgrad.bench.nf4_matmul",
     "tf32_rounding": "jaxgrad.bench.tf32_rounding",

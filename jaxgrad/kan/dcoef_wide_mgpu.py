@@ -165,27 +165,34 @@ def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: 
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((_ROWS, n_cols), jnp.float32) for _ in range(rb)])
                 def _acc_scope(accs):
                     eval_pipeline(accs)
-                    for j in range(rb):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        rows = pl.ds(s_idx * out_pad + o_idx * tile_o + (wg * rb + j) * _ROWS, _ROWS)
-                        cols = pl.ds(i_idx * n_cols, n_cols)
-                        mgpu_common.store_tile(accs[j][...], out_smem, wg, out_gmem.at[rows, cols], _ROWS, epi_n)
+                    with jax.named_scope("store"):
+                        for j in range(rb):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            rows = pl.ds(s_idx * out_pad + o_idx * tile_o + (wg * rb + j) * _ROWS, _ROWS)
+                            cols = pl.ds(i_idx * n_cols, n_cols)
+                            mgpu_common.store_tile(accs[j][...], out_smem, wg, out_gmem.at[rows, cols], _ROWS,
+                                                   epi_n)
 
             def mma_body(_, gt_smem, x_smem, accs):
-                x = x_smem[...]  # [bb rows, bi inputs] fp32: a 64-row register tile, as wgmma's layout needs
-                tab = KnotTable(lambda p, r: bcast(tab_smem[wg, p * n_rows + r]), expand=lambda row: row)
                 # the group's bases only: the walk starts at interval m_lo and stops once B_{m_hi - 1} is made
-                for m, basis in sweep(x, tab, min(m_hi, nb) + k, k, start=m_lo):
-                    b_smem[wg, :, pl.ds((m - m_lo) * bi, bi)] = (basis * bcast(f_smem[wg, m])).astype(jnp.float16)
-                if m_hi > nb:
-                    b_smem[wg, :, pl.ds((nb - m_lo) * bi, bi)] = (_silu(x) * bcast(f_smem[wg, nb])).astype(
-                        jnp.float16)
-                plgpu.commit_smem()
-                for kq in range(bb // 16):  # wgmma's K groups: the swizzle (16 float16) of both operands
-                    for j in range(rb):
-                        plgpu.wgmma(accs[j], gt_smem.at[pl.ds((wg * rb + j) * _ROWS, _ROWS), pl.ds(kq * 16, 16)],
-                                    b_smem.at[wg, pl.ds(kq * 16, 16)])
-                plgpu.wgmma_wait(0)  # the next step writes b_smem again
+                with jax.named_scope("bases"):
+                    x = x_smem[...]  # [bb rows, bi inputs] fp32: a 64-row register tile, as wgmma's layout needs
+                    tab = KnotTable(lambda p, r: bcast(tab_smem[wg, p * n_rows + r]), expand=lambda row: row)
+                    for m, basis in sweep(x, tab, min(m_hi, nb) + k, k, start=m_lo):
+                        b_smem[wg, :, pl.ds((m - m_lo) * bi, bi)] = (basis * bcast(f_smem[wg, m])).astype(
+                            jnp.float16)
+                    if m_hi > nb:
+                        b_smem[wg, :, pl.ds((nb - m_lo) * bi, bi)] = (_silu(x) * bcast(f_smem[wg, nb])).astype(
+                            jnp.float16)
+                    plgpu.commit_smem()
+                with jax.named_scope("products"):
+                    for kq in range(bb // 16):  # wgmma's K groups: the swizzle (16 float16) of both operands
+                        for j in range(rb):
+                            plgpu.wgmma(accs[j],
+                                        gt_smem.at[pl.ds((wg * rb + j) * _ROWS, _ROWS), pl.ds(kq * 16, 16)],
+                                        b_smem.at[wg, pl.ds(kq * 16, 16)])
+                with jax.named_scope("products wait"):
+                    plgpu.wgmma_wait(0)  # the next step writes b_smem again
                 return accs
 
             pipeline(mma_body, compute_context)(

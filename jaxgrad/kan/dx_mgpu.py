@@ -155,10 +155,11 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((_ROWS, bk), jnp.float32) for _ in range(cnt)])
                 def _acc_scope(accs):
                     eval_pipeline(accs)
-                    plgpu.barrier_wait(bars.at[wg])
-                    plgpu.barrier_wait(bars.at[2 + wg])
-                    plgpu.barrier_wait(bars.at[4 + wg])
-                    plgpu.barrier_wait(bars.at[6 + wg])
+                    with jax.named_scope("epilogue: tables wait"):
+                        plgpu.barrier_wait(bars.at[wg])
+                        plgpu.barrier_wait(bars.at[2 + wg])
+                        plgpu.barrier_wait(bars.at[4 + wg])
+                        plgpu.barrier_wait(bars.at[6 + wg])
                     x = x_smem[wg]
 
                     def bcast(row):
@@ -177,23 +178,27 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
                         total = term if total is None else total + term
 
                     prev = None
-                    for sidx, low in affine_sweep(x, tab, nb + k, k - 1, k):  # B^{k-1}_s, s = 0 .. nb
-                        if sidx > 0 and m_lo <= sidx - 1 < m_hi:
-                            add(sidx - 1, k * (prev * tab.inv(k, sidx - 1) - low * tab.inv(k, sidx)))
-                        prev = low
-                        if sidx >= min(m_hi, nb):
-                            break
-                    if m_hi > nb:
-                        add(nb, _silu_slope(x))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[wg] = total
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, cols])
+                    with jax.named_scope("epilogue: derivative bases"):
+                        for sidx, low in affine_sweep(x, tab, nb + k, k - 1, k):  # B^{k-1}_s, s = 0 .. nb
+                            if sidx > 0 and m_lo <= sidx - 1 < m_hi:
+                                add(sidx - 1, k * (prev * tab.inv(k, sidx - 1) - low * tab.inv(k, sidx)))
+                            prev = low
+                            if sidx >= min(m_hi, nb):
+                                break
+                        if m_hi > nb:
+                            add(nb, _silu_slope(x))
+                    with jax.named_scope("store"):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = total
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, cols])
 
             def mma_body(_, g_smem, u_smem, accs):
-                for j in range(cnt):
-                    plgpu.wgmma(accs[j], g_smem.at[wg_m_slice], u_smem.at[j].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
+                with jax.named_scope("products"):
+                    for j in range(cnt):
+                        plgpu.wgmma(accs[j], g_smem.at[wg_m_slice], u_smem.at[j].transpose((1, 0)))
+                with jax.named_scope("products wait"):
+                    plgpu.wgmma_wait(0)
                 return accs
 
             pipeline(mma_body, compute_context)(

@@ -246,13 +246,22 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((_ROWS, tile_n), jnp.float32))
                 def _acc_scope(acc_ref):
                     eval_pipeline(acc_ref)
-                    acc = acc_ref[...]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    mgpu_common.store_tile(acc, out_smem, wg,
-                                           out_gmem.at[cta_m_slice, pl.ds(n_idx * tile_n, tile_n)].at[wg_m_slice],
-                                           epi_m, epi_n)
+                    with jax.named_scope("store"):
+                        acc = acc_ref[...]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        mgpu_common.store_tile(acc, out_smem, wg,
+                                               out_gmem.at[cta_m_slice, pl.ds(n_idx * tile_n, tile_n)].at[wg_m_slice],
+                                               epi_m, epi_n)
 
             def mma_body(_, x_smem, tab_smem, shift_smem, v_smem, rs_smem, acc_ref):
+                with jax.named_scope("bases and products"):
+                    issue(x_smem, tab_smem, shift_smem, v_smem, rs_smem, acc_ref)
+                with jax.named_scope("products wait"):
+                    plgpu.wgmma_wait(0)
+                return acc_ref
+
+            def issue(x_smem, tab_smem, shift_smem, v_smem, rs_smem, acc_ref):
+                """The step's bases and its NB + 1 products (or a probe's share of them), left in flight."""
                 x = x_smem[wg_m_slice]  # [64, bk] fp32
                 rs = lax.broadcast_in_dim(rs_smem.at[0][wg_m_slice], (_ROWS, bk), [0])  # 2^{s_b} per row
 
@@ -278,8 +287,6 @@ def _kernel(x_gmem, tab_gmem, v_gmem, rs_gmem, out_gmem, *, cfg: ForwardTiles, n
                     for mb, basis in affine_sweep(x, tab, nb + k, k, k):
                         plgpu.wgmma(acc_ref, (basis * rs).astype(jnp.float16), v_smem.at[mb])
                     plgpu.wgmma(acc_ref, (_silu(x) * rs).astype(jnp.float16), v_smem.at[nb])
-                plgpu.wgmma_wait(0)
-                return acc_ref
 
             pipeline(mma_body, compute_context)(
                 x_gmem.at[cta_m_slice, :], tab_gmem.at[:split], tab_gmem.at[split:],

@@ -5,13 +5,15 @@ persistent grid: its size and its walk over the output tiles."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
 import jax.numpy as jnp
 
-__all__ = ["GemmTiles", "k_pipeline", "num_sms", "pad_to_multiple", "persistent_kernel", "persistent_tiles",
-           "rhs_transforms", "smem_spec", "smem_transforms", "store_tile", "warp_specialized", "whole_kib_rows"]
+__all__ = ["GemmTiles", "k_pipeline", "kernel_traces", "num_sms", "pad_to_multiple", "persistent_kernel",
+           "persistent_tiles", "rhs_transforms", "smem_spec", "smem_transforms", "store_tile", "warp_specialized",
+           "whole_kib_rows"]
 
 SMEM_ALIGN = 1024  # bytes: a 128-byte swizzle's atom (8 rows x 128 B); TMA needs at least 128
 
@@ -76,12 +78,41 @@ def num_sms() -> int:
     return backend.get_default_device().core_count
 
 
+#: ``(directory, regions)`` while :func:`kernel_traces` is active, else ``None``
+_TRACES: tuple[str, int] | None = None
+
+
+@contextlib.contextmanager
+def kernel_traces(directory: str, regions: int = 256):
+    """Within the block, kernels made by :func:`persistent_kernel` record Mosaic GPU's on-device trace: each
+    warpgroup's first ``regions`` entries into the ``jax.named_scope`` regions of its body, their enter and exit
+    stamped with the SM's clock, written to ``directory`` as a Chrome trace (``*-trace.json``) when the kernel returns.
+
+    The trace lives in shared memory (16 bytes a region and warpgroup: ``48 regions`` bytes a CTA of three
+    warpgroups) until the kernel ends, so a kernel whose stages fill shared memory may no longer fit. JAX's compilation caches are cleared on entry and on
+    exit: kernels compiled outside the block record nothing, and the traced ones are not reused after it."""
+    import jax
+
+    global _TRACES
+    before = _TRACES
+    _TRACES = (str(directory), int(regions))
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _TRACES = before
+        jax.clear_caches()
+
+
 def persistent_kernel(body, out_type, num_sms: int):
     """``body`` as a Mosaic GPU kernel on the persistent grid (``num_sms`` CTAs, axis ``"cluster_grid"``) of three
     warpgroups (axis ``"wg"``: two compute warpgroups and the memory warpgroup of :func:`warp_specialized`), lowered
-    with warpgroup semantics; ``out_type`` as for :func:`jax.experimental.pallas.mosaic_gpu.kernel`."""
+    with warpgroup semantics; ``out_type`` as for :func:`jax.experimental.pallas.mosaic_gpu.kernel`. Inside
+    :func:`kernel_traces` the kernel records its on-device trace."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    trace = {} if _TRACES is None else dict(profile_dir=_TRACES[0], profile_space=_TRACES[1],
+                                            profile_bounds_check=True)
     return plgpu.kernel(
         body,
         out_type=out_type,
@@ -89,7 +120,7 @@ def persistent_kernel(body, out_type, num_sms: int):
         grid_names=("cluster_grid",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **trace),
     )
 
 
