@@ -143,7 +143,7 @@ def _forward_variants(dtype, nb: int, k: int) -> dict[str, Callable]:
     # of the products
     out["mosaic forward probe: products only"] = mosaic_tiles(None, probe="products")
     if _narrower_tiles_fit(nb, k, 128):  # its K steps twice as deep (bk 32: a 64-byte swizzle, not 32)
-        out["mosaic forward probe: products only, tile_n=128"] = mosaic_tiles(128, probe="products")
+        out["mosaic forward probe: products only at tile_n=128"] = mosaic_tiles(128, probe="products")
     out["mosaic forward probe: bases only"] = mosaic_tiles(None, probe="bases")
     out["mosaic forward, plain sweep"] = mosaic_tiles(None, probe="plain")
     if jnp.dtype(dtype) == jnp.float32:
