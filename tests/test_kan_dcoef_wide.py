@@ -57,11 +57,13 @@ def test_the_operands_and_the_output_arrangement_give_the_scaled_reference(monke
     (129, 17, 520, 3, 5),
     (65, 40, 70, 20, 3),
 ])
-def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out_f, grid_size, order):
+@pytest.mark.parametrize("shared_sweep", [True, False])
+def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out_f, grid_size, order, shared_sweep):
     monkeypatch.setattr(W, "_num_sms", lambda: 132)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     args = (sd(batch, in_f), sd(in_f, grid_size + 2 * order + 1), sd(batch, out_f))
-    fn = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order))
+    fn = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order,
+                                   config=W.WideTiles(shared_sweep=shared_sweep)))
     assert jax.eval_shape(fn, *args).shape == (grid_size + order + 1, in_f, out_f)
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -103,6 +105,28 @@ def test_the_layers_weight_gradients_take_the_wide_kernel_at_any_grid(monkeypatc
     assert called == [12, 27]
 
 
+def test_the_warpgroups_share_a_groups_sweep_in_two_halves_of_equal_work():
+    # a half's work: the intervals its walk visits (its bases + k), one more for SiLU (row NB)
+    assert W.sweep_halves(0, 9, 8, 3) == ((0, 4), (4, 9))  # G=5, k=3: 7 and 8 intervals, not 11 each
+    assert W.sweep_halves(0, 12, 23, 3) == ((0, 6), (6, 12))  # G=20, k=3, first group
+    assert W.sweep_halves(12, 24, 23, 3) == ((12, 18), (18, 24))  # second group, with SiLU
+    assert W.sweep_halves(0, 2, 1, 0) == ((0, 1), (1, 2))  # one basis of order 0 and SiLU
+    for m_lo, m_hi, nb, k in [(0, 9, 8, 3), (0, 11, 10, 5), (9, 17, 16, 1), (0, 1, 0, 0)]:
+        (a, b), (c, d) = W.sweep_halves(m_lo, m_hi, nb, k)
+        assert a == m_lo and b == c and d == m_hi and a <= b <= d
+
+
+def test_a_shared_sweep_pads_the_batch_to_an_even_number_of_steps_a_chunk():
+    # the two bases buffers alternate by step; a tile of an odd number of steps would start the next tile on the
+    # buffer its last step used while the other warpgroup may still be reading it
+    t = W.WideTiles(rb=2, splits=3)
+    assert t.batch_multiple() == 64 * 3 * 2
+    assert W.WideTiles(rb=2, splits=3, shared_sweep=False).batch_multiple() == 64 * 3
+    _, grid = _layer(0, 17, 9, grid_size=5, spline_order=3)
+    ops = W.kernel_operands(_x(0, 100, 17), grid, _cotangent(1, 100, 9), 3, t)
+    assert ops["x"].shape[0] == 384 and (ops["x"].shape[0] // 3 // 64) % 2 == 0
+
+
 def test_a_wrong_dtype_or_order_is_named():
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     with pytest.raises(ValueError, match="'g' must be float32"):
@@ -112,18 +136,20 @@ def test_a_wrong_dtype_or_order_is_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [
-    (1, 96, 520, 5, 3),
-    (7, 520, 96, 3, 1),
-    (129, 96, 96, 5, 5),
-    (4096, 512, 512, 5, 3),
-    (1000, 96, 520, 20, 3),  # two groups of bases
-    (33, 520, 96, 20, 1),
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order,shared_sweep", [
+    (1, 96, 520, 5, 3, True),
+    (7, 520, 96, 3, 1, True),
+    (129, 96, 96, 5, 5, True),
+    (4096, 512, 512, 5, 3, True),
+    (1000, 96, 520, 20, 3, True),  # two groups of bases
+    (33, 520, 96, 20, 1, True),
+    (4096, 512, 512, 5, 3, False),  # each warpgroup sweeping every basis (the bench's comparison)
 ])
-def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order):
+def test_gpu_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_size, order, shared_sweep):
     _, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
     x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
-    got = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order))(x, grid, g)
+    config = W.WideTiles(shared_sweep=shared_sweep)
+    got = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order, config=config))(x, grid, g)
     assert got.shape == (grid_size + order + 1, in_f, out_f)
     ratio = _over_model(x, grid, g, order, got)
     assert ratio.max() <= 1.0, ratio.max()

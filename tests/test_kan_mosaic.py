@@ -372,6 +372,19 @@ def test_gpu_dx_kernel_is_within_tf32s_product_model(batch, in_f, out_f, grid_si
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch,in_f,out_f,grid_size,order", [(129, 520, 96, 5, 3), (4096, 512, 512, 5, 3)])
+def test_gpu_dx_kernel_with_its_epilogue_in_one_piece_is_within_tf32s_product_model(batch, in_f, out_f, grid_size,
+                                                                                    order):
+    trainable, grid = _layer(batch, in_f, out_f, grid_size=grid_size, spline_order=order)
+    x, g = _x(batch, batch, in_f), _cotangent(3, batch, out_f)
+    _, coef, wb = _operands(trainable, grid)
+    tiles = D.DxTiles(epi_cols=None)
+    got = jax.jit(lambda *a: D.kan_dx_mgpu(*a, order, config=tiles))(x, grid, coef, wb, g)
+    ratio = _dx_over_model(trainable, grid, x, g, order, got)
+    assert ratio.max() <= 1.0, ratio.max()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_layer_passes_the_tf32_model_and_its_backward_is_the_xla_scaled_one(dtype):
     from jaxgrad.verify import check_vjp

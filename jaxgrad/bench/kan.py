@@ -165,7 +165,24 @@ def _dx_variants() -> dict[str, Callable]:
                                   "fp16_scaled", False)[1]
         return jax.jit(f)
 
-    return {"mosaic dx": dx("mosaic"), "xla dx fp16_scaled": dx("xla")}
+    def mosaic_tiles(**tiles):  # the Mosaic kernel at tiles other than its defaults
+        import dataclasses
+
+        from jaxgrad.kan.dx_mgpu import DxTiles, kan_dx_mgpu
+
+        def f(p, x, g):
+            k = p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
+            nb = p["spline_weight"].shape[-1]
+            p32 = {n: v.astype(jnp.float32) for n, v in p.items()}
+            coef = p32["spline_weight"] * p32["spline_scaler"][..., None]
+            return kan_dx_mgpu(x.astype(jnp.float32), p32["grid"], coef, p32["base_weight"], g.astype(jnp.float32),
+                               k, config=dataclasses.replace(DxTiles.for_layer(nb), **tiles))
+        return jax.jit(f)
+
+    # the epilogue sweeps 16 of the tile's inputs at a time beside all the accumulators (the default); in one piece
+    # it holds both at full width
+    return {"mosaic dx": dx("mosaic"), "mosaic dx, epilogue in one piece": mosaic_tiles(epi_cols=None),
+            "xla dx fp16_scaled": dx("xla")}
 
 
 def _basis_variants() -> dict[str, Callable]:
@@ -235,6 +252,10 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
             tiled(kan_dcoef_wide_mgpu, WideTiles, rb=1))
     out["mosaic dC, bases as the right operand, one batch chunk"] = jax.jit(
         tiled(kan_dcoef_wide_mgpu, WideTiles, splits=1))
+    # the default splits each step's sweep between the two compute warpgroups (each makes half of the bases);
+    # here each makes all of them for its own products
+    out["mosaic dC, each warpgroup sweeping every basis"] = jax.jit(
+        tiled(kan_dcoef_wide_mgpu, WideTiles, shared_sweep=False))
     # the row maxima alone, which the Mosaic kernels' scales come from
     out["dC row maxima, xla (chunks of 2048 rows)"] = jax.jit(on_f32(left_maxima, with_g=False))
     out["dC row maxima, sweep kernel"] = jax.jit(on_f32(bspline_basis_maxima, with_g=False))

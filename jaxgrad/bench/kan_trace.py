@@ -83,20 +83,24 @@ def layer_operands(batch: int, features: int, grid_size: int, spline_order: int)
 
 
 def kernel_fns(ops: dict) -> dict:
-    """The three kernels as the layer calls them on ``ops``."""
+    """The three kernels as the layer calls them: ``{name: (jitted function, its arguments)}``."""
+    import functools
+
+    import jax
+
     from jaxgrad.kan.dcoef_wide_mgpu import kan_dcoef_wide_mgpu
     from jaxgrad.kan.dx_mgpu import kan_dx_mgpu
     from jaxgrad.kan.forward_mgpu import kan_forward_mgpu
 
     x, g, grid, coef, wb, k = (ops[n] for n in ("x", "g", "grid", "coef", "base_weight", "k"))
-    return {"forward": lambda: kan_forward_mgpu(x, grid, coef, wb, k),
-            "dx": lambda: kan_dx_mgpu(x, grid, coef, wb, g, k),
-            "dC": lambda: kan_dcoef_wide_mgpu(x, grid, g, k)}
+    return {"forward": (jax.jit(functools.partial(kan_forward_mgpu, spline_order=k)), (x, grid, coef, wb)),
+            "dx": (jax.jit(functools.partial(kan_dx_mgpu, spline_order=k)), (x, grid, coef, wb, g)),
+            "dC": (jax.jit(functools.partial(kan_dcoef_wide_mgpu, spline_order=k)), (x, grid, g))}
 
 
-def trace_kernel(fn, regions: int, work_dir: str) -> dict:
-    """``fn``'s kernels traced with at most ``regions`` entries a warpgroup (halved until shared memory holds the
-    trace); the summary of each kernel call's trace file."""
+def trace_kernel(fn, args, regions: int, work_dir: str) -> dict:
+    """``fn(*args)``'s kernels traced with at most ``regions`` entries a warpgroup (halved until shared memory holds
+    the trace); the summary of each kernel call's trace file."""
     import jax
 
     from jaxgrad.ops.mgpu_common import kernel_traces
@@ -106,7 +110,7 @@ def trace_kernel(fn, regions: int, work_dir: str) -> dict:
         d = tempfile.mkdtemp(prefix="trace-", dir=work_dir)
         try:
             with kernel_traces(d, regions):
-                jax.block_until_ready(fn())
+                jax.block_until_ready(fn(*args))
         except Exception as e:  # noqa: BLE001 - shared memory: retry with a smaller trace
             errors.append(f"{regions} regions: {type(e).__name__}: {str(e)[:200]}")
             regions //= 2
@@ -117,7 +121,8 @@ def trace_kernel(fn, regions: int, work_dir: str) -> dict:
 
 
 def format_summary(name: str, timing_ms: float, traced: dict) -> str:
-    lines = [f"## {name}: {timing_ms:.3f} ms (median, untraced); traced with {traced['regions']} regions a warpgroup"]
+    lines = [f"## {name}: {timing_ms:.3f} ms (median, untraced, with its XLA operand passes); traced with "
+             f"{traced['regions']} regions a warpgroup"]
     for e in traced["errors"]:
         lines.append(f"   (not traced at {e})")
     for i, call in enumerate(traced["calls"]):
@@ -171,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     results, ok = [], True
     for grid_size, order in grids:
         ops = layer_operands(a.batch, a.features, grid_size, order)
-        for name, fn in kernel_fns(ops).items():
+        for name, (fn, args) in kernel_fns(ops).items():
             if name not in kernels:
                 continue
             title = f"{name}, G={grid_size}, k={order}"
             print(f"# {title} ...", flush=True)
             try:
-                timing = bm.time_fn(lambda: fn(), warmup=2, repeats=10)
-                traced = trace_kernel(fn, a.regions, work)
+                timing = bm.time_fn(fn, *args, warmup=2, repeats=10)
+                traced = trace_kernel(fn, args, a.regions, work)
             except Exception as e:  # noqa: BLE001 - the other kernels still get their tables
                 ok = False
                 text.append(f"## {title}: failed: {type(e).__name__}: {str(e)[:300]}")

@@ -80,6 +80,7 @@ class WideTiles:
     splits: int | None = None
     epi_tile_n: int = 16
     grid_tile_width: int = 8
+    shared_sweep: bool = True
 
     @property
     def tile_o(self) -> int:
@@ -100,12 +101,30 @@ class WideTiles:
         splits = self.splits or next(s for s in range(1, most + 1) if busiest(s) <= 1.1 * best)
         return dataclasses.replace(self, rb=rb, splits=splits)
 
+    def batch_multiple(self) -> int:
+        """The padded batch is a multiple of this: ``splits`` chunks of whole steps, an even number of steps each
+        where the warpgroups share the sweep (its two bases buffers alternate by step, tile after tile)."""
+        return self.bb * self.splits * (2 if self.shared_sweep else 1)
+
     def groups(self, nb: int) -> list[tuple[int, int]]:
         """The rows ``m_lo .. m_hi - 1`` of ``V̄`` each kernel call makes: as few equal groups as keep a group's
         ``(m_hi - m_lo) bi`` columns within one ``wgmma`` (256); G=20, k=3 takes two groups of 12."""
         n = -(-(nb + 1) * self.bi // 256)
         cnt = -(-(nb + 1) // n)
         return [(lo, min(nb + 1, lo + cnt)) for lo in range(0, nb + 1, cnt)]
+
+
+def sweep_halves(m_lo: int, m_hi: int, nb: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rows ``[lo, hi)`` of a group ``[m_lo, m_hi)`` whose bases each compute warpgroup makes when the two share
+    the sweep: the first takes the lower bases, the second the rest (and SiLU, row ``NB``, where the group has
+    it), split where the larger share of the work is smallest. A warpgroup's work is the intervals its walk
+    visits, ``hi - lo + k`` (:func:`jaxgrad.kan.basis_tiles.sweep` from ``start = lo``), plus one for SiLU."""
+    def work(lo, hi):
+        bases = min(hi, nb) - lo
+        return (bases + k if bases > 0 else 0) + (1 if hi > nb else 0)
+
+    mid = min(range(m_lo, m_hi + 1), key=lambda c: (max(work(m_lo, c), work(c, m_hi)), c))
+    return (m_lo, mid), (mid, m_hi)
 
 
 def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: int, k: int, n_rows: int,
@@ -140,9 +159,10 @@ def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: 
         tab_smem=plgpu.SMEM((2, n_tab, bi), jnp.float32),
         f_smem=plgpu.SMEM((2, f_rows, bi), jnp.float32),
         bars=plgpu.Barrier(num_barriers=4),
+        ready=plgpu.Barrier(num_arrivals=2, num_barriers=2),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, b_smem, out_smem, tab_smem, f_smem, bars):
+    def _scope(pipeline_allocs, b_smem, out_smem, tab_smem, f_smem, bars, ready):
         wg = lax.axis_index("wg")
 
         @mgpu_common.persistent_tiles((i_iters * splits, o_iters), cfg.grid_tile_width)
@@ -173,24 +193,42 @@ def _kernel(gt_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: WideTiles, nb: 
                             mgpu_common.store_tile(accs[j][...], out_smem, wg, out_gmem.at[rows, cols], _ROWS,
                                                    epi_n)
 
-            def mma_body(_, gt_smem, x_smem, accs):
-                # the group's bases only: the walk starts at interval m_lo and stops once B_{m_hi - 1} is made
-                with jax.named_scope("bases"):
-                    x = x_smem[...]  # [bb rows, bi inputs] fp32: a 64-row register tile, as wgmma's layout needs
-                    tab = KnotTable(lambda p, r: bcast(tab_smem[wg, p * n_rows + r]), expand=lambda row: row)
-                    for m, basis in sweep(x, tab, min(m_hi, nb) + k, k, start=m_lo):
-                        b_smem[wg, :, pl.ds((m - m_lo) * bi, bi)] = (basis * bcast(f_smem[wg, m])).astype(
-                            jnp.float16)
-                    if m_hi > nb:
-                        b_smem[wg, :, pl.ds((nb - m_lo) * bi, bi)] = (_silu(x) * bcast(f_smem[wg, nb])).astype(
-                            jnp.float16)
-                    plgpu.commit_smem()
+            def write_bases(x_smem, dst, lo, hi):
+                """Rows ``lo .. hi - 1`` of the group's bases (scaled, float16) into their columns of ``dst``: the
+                walk starts at interval ``lo`` and stops once ``B_{hi - 1}`` is made."""
+                x = x_smem[...]  # [bb rows, bi inputs] fp32: a 64-row register tile, as wgmma's layout needs
+                tab = KnotTable(lambda p, r: bcast(tab_smem[wg, p * n_rows + r]), expand=lambda row: row)
+                if min(hi, nb) > lo:
+                    for m, basis in sweep(x, tab, min(hi, nb) + k, k, start=lo):
+                        dst[:, pl.ds((m - m_lo) * bi, bi)] = (basis * bcast(f_smem[wg, m])).astype(jnp.float16)
+                if hi > nb:
+                    dst[:, pl.ds((nb - m_lo) * bi, bi)] = (_silu(x) * bcast(f_smem[wg, nb])).astype(jnp.float16)
+                plgpu.commit_smem()
+
+            def mma_body(idx, gt_smem, x_smem, accs):
+                if cfg.shared_sweep:
+                    # each warpgroup makes half of the step's bases into the buffer of the step's parity and waits
+                    # for the other's half; a buffer is written again two steps later, after both warpgroups passed
+                    # the other buffer's barrier, so after their products of this step were waited for
+                    buf = idx[0] % 2
+                    halves = sweep_halves(m_lo, m_hi, nb, k)
+                    with jax.named_scope("bases"):
+                        for w, (lo, hi) in enumerate(halves):
+                            pl.when(wg == w)(functools.partial(write_bases, x_smem, b_smem.at[buf], lo, hi))
+                        plgpu.barrier_arrive(ready.at[buf])
+                    with jax.named_scope("bases wait"):
+                        plgpu.barrier_wait(ready.at[buf])
+                    bases = b_smem.at[buf]
+                else:
+                    with jax.named_scope("bases"):
+                        write_bases(x_smem, b_smem.at[wg], m_lo, m_hi)
+                    bases = b_smem.at[wg]
                 with jax.named_scope("products"):
                     for kq in range(bb // 16):  # wgmma's K groups: the swizzle (16 float16) of both operands
                         for j in range(rb):
                             plgpu.wgmma(accs[j],
                                         gt_smem.at[pl.ds((wg * rb + j) * _ROWS, _ROWS), pl.ds(kq * 16, 16)],
-                                        b_smem.at[wg, pl.ds(kq * 16, 16)])
+                                        bases.at[pl.ds(kq * 16, 16)])
                 with jax.named_scope("products wait"):
                     plgpu.wgmma_wait(0)  # the next step writes b_smem again
                 return accs
@@ -218,7 +256,7 @@ def kernel_operands(x, grid, g, spline_order: int, config: WideTiles) -> dict:
     [NB+1, in_pad]`` (the factors :math:`2^{u}`), both padded to whole KiB of rows, and the exponents ``u [NB+1,
     in]``, ``t [out]``."""
     c = config
-    b_pad = -(-x.shape[0] // (c.bb * c.splits)) * c.bb * c.splits
+    b_pad = -(-x.shape[0] // c.batch_multiple()) * c.batch_multiple()
     in_pad = -(-x.shape[1] // c.bi) * c.bi
     out_pad = -(-g.shape[1] // c.tile_o) * c.tile_o
     row_bytes = 4 * c.bi  # a table row as a warpgroup copies it

@@ -52,12 +52,21 @@ _ROWS = 64
 @dataclasses.dataclass(frozen=True)
 class DxTiles:
     """Tiles of :func:`kan_dx_mgpu`: ``bk`` inputs per CTA (the accumulators' width), ``tile_o`` outputs per
-    pipeline stage, ``stages`` in flight, at most ``max_group`` accumulators per call."""
+    pipeline stage, ``stages`` in flight, at most ``max_group`` accumulators per call, and the epilogue's pieces of
+    ``epi_cols`` inputs (``None``: the whole ``bk``). The epilogue holds every accumulator while it sweeps, so its
+    sweep works on pieces narrower than the accumulators where their registers leave little room: at ``bk`` 32, 9
+    accumulators take 144 registers a thread."""
 
     bk: int = 32
     tile_o: int = 64
     stages: int = 3
     max_group: int = 9
+    epi_cols: int | None = 16
+
+    @property
+    def piece(self) -> int:
+        """Inputs of one epilogue piece."""
+        return min(self.epi_cols or self.bk, self.bk)
 
     @classmethod
     def for_layer(cls, nb: int) -> DxTiles:
@@ -106,7 +115,7 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
 
     m_rows, n_out = g_gmem.shape
     n_in = out_gmem.shape[1]
-    bk, tile_o = cfg.bk, cfg.tile_o
+    bk, tile_o, piece = cfg.bk, cfg.tile_o, cfg.piece
     cnt = m_hi - m_lo
     cta_m = 2 * _ROWS
     m_iters, i_iters, o_iters = m_rows // cta_m, n_in // bk, n_out // tile_o
@@ -127,7 +136,8 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
         # every buffer whole KiB (mgpu_common.whole_kib_rows), so each starts at the alignment TMA and its swizzle
         # need
         x_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
-        out_smem=plgpu.SMEM((2, _ROWS, bk), jnp.float32, transforms=mgpu_common.smem_transforms(bk, jnp.float32)),
+        out_smem=plgpu.SMEM((2, bk // piece, _ROWS, piece), jnp.float32,
+                            transforms=mgpu_common.smem_transforms(piece, jnp.float32)),
         tab_smem=plgpu.SMEM((2, split, bk), jnp.float32),
         shift_smem=plgpu.SMEM((2, rows_shift, bk), jnp.float32),
         f_smem=plgpu.SMEM((2, f_rows, bk), jnp.float32),
@@ -143,6 +153,39 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
             rows = pl.ds(m_idx * cta_m + wg * _ROWS, _ROWS)
             cols = pl.ds(i_idx * bk, bk)
             wg_m_slice = pl.ds(wg * _ROWS, _ROWS)
+
+            def epilogue_piece(q, x_all, acc_all):
+                """Columns ``q piece .. (q + 1) piece`` of the tile's sum into ``out_smem[wg, q]``."""
+                cs = slice(q * piece, (q + 1) * piece)
+                x = x_all[:, cs]
+
+                def bcast(row):
+                    return lax.broadcast_in_dim(row, (_ROWS, piece), [1])
+
+                def knot_row(p, r):
+                    return bcast(tab_smem[wg, p * n_rows + r, pl.ds(q * piece, piece)] if p <= k else
+                                 shift_smem[wg, (p - k - 1) * n_rows + r, pl.ds(q * piece, piece)])
+
+                tab = KnotTable(knot_row, expand=lambda row: row)
+                total = None
+
+                def add(m, d):
+                    nonlocal total
+                    term = d * bcast(f_smem[wg, m - m_lo, pl.ds(q * piece, piece)]) * acc_all[m - m_lo][:, cs]
+                    total = term if total is None else total + term
+
+                prev = None
+                with jax.named_scope("epilogue: derivative bases"):
+                    for sidx, low in affine_sweep(x, tab, nb + k, k - 1, k):  # B^{k-1}_s, s = 0 .. nb
+                        if sidx > 0 and m_lo <= sidx - 1 < m_hi:
+                            add(sidx - 1, k * (prev * tab.inv(k, sidx - 1) - low * tab.inv(k, sidx)))
+                        prev = low
+                        if sidx >= min(m_hi, nb):
+                            break
+                    if m_hi > nb:
+                        add(nb, _silu_slope(x))
+                with jax.named_scope("store"):
+                    out_smem[wg, q] = total
 
             def compute_context(eval_pipeline):
                 # the epilogue's x rows, knot tables and column factors, in flight during the K loop (the previous
@@ -160,38 +203,15 @@ def _kernel(g_gmem, u_gmem, x_gmem, tab_gmem, f_gmem, out_gmem, *, cfg: DxTiles,
                         plgpu.barrier_wait(bars.at[2 + wg])
                         plgpu.barrier_wait(bars.at[4 + wg])
                         plgpu.barrier_wait(bars.at[6 + wg])
-                    x = x_smem[wg]
-
-                    def bcast(row):
-                        return lax.broadcast_in_dim(row, (_ROWS, bk), [1])
-
-                    def knot_row(p, r):
-                        return bcast(tab_smem[wg, p * n_rows + r] if p <= k else
-                                     shift_smem[wg, (p - k - 1) * n_rows + r])
-
-                    tab = KnotTable(knot_row, expand=lambda row: row)
-                    total = None
-
-                    def add(m, d):
-                        nonlocal total
-                        term = d * bcast(f_smem[wg, m - m_lo]) * accs[m - m_lo][...]
-                        total = term if total is None else total + term
-
-                    prev = None
-                    with jax.named_scope("epilogue: derivative bases"):
-                        for sidx, low in affine_sweep(x, tab, nb + k, k - 1, k):  # B^{k-1}_s, s = 0 .. nb
-                            if sidx > 0 and m_lo <= sidx - 1 < m_hi:
-                                add(sidx - 1, k * (prev * tab.inv(k, sidx - 1) - low * tab.inv(k, sidx)))
-                            prev = low
-                            if sidx >= min(m_hi, nb):
-                                break
-                        if m_hi > nb:
-                            add(nb, _silu_slope(x))
-                    with jax.named_scope("store"):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = total
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, cols])
+                    x_all = x_smem[wg]
+                    acc_all = [acc[...] for acc in accs]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's pieces have left out_smem
+                    for q in range(bk // piece):
+                        epilogue_piece(q, x_all, acc_all)
+                    plgpu.commit_smem()
+                    for q in range(bk // piece):
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, q],
+                                                out_gmem.at[rows, pl.ds(i_idx * bk + q * piece, piece)])
 
             def mma_body(_, g_smem, u_smem, accs):
                 with jax.named_scope("products"):
