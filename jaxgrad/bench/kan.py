@@ -165,24 +165,7 @@ def _dx_variants() -> dict[str, Callable]:
                                   "fp16_scaled", False)[1]
         return jax.jit(f)
 
-    def mosaic_tiles(**tiles):  # the Mosaic kernel at tiles other than its defaults
-        import dataclasses
-
-        from jaxgrad.kan.dx_mgpu import DxTiles, kan_dx_mgpu
-
-        def f(p, x, g):
-            k = p["grid"].shape[-1] - p["spline_weight"].shape[-1] - 1
-            nb = p["spline_weight"].shape[-1]
-            p32 = {n: v.astype(jnp.float32) for n, v in p.items()}
-            coef = p32["spline_weight"] * p32["spline_scaler"][..., None]
-            return kan_dx_mgpu(x.astype(jnp.float32), p32["grid"], coef, p32["base_weight"], g.astype(jnp.float32),
-                               k, config=dataclasses.replace(DxTiles.for_layer(nb), **tiles))
-        return jax.jit(f)
-
-    # the epilogue sweeps 16 of the tile's inputs at a time beside all the accumulators (the default); in one piece
-    # it holds both at full width
-    return {"mosaic dx": dx("mosaic"), "mosaic dx, epilogue in one piece": mosaic_tiles(epi_cols=None),
-            "xla dx fp16_scaled": dx("xla")}
+    return {"mosaic dx": dx("mosaic"), "xla dx fp16_scaled": dx("xla")}
 
 
 def _basis_variants() -> dict[str, Callable]:

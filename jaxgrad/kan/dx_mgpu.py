@@ -53,20 +53,25 @@ _ROWS = 64
 class DxTiles:
     """Tiles of :func:`kan_dx_mgpu`: ``bk`` inputs per CTA (the accumulators' width), ``tile_o`` outputs per
     pipeline stage, ``stages`` in flight, at most ``max_group`` accumulators per call, and the epilogue's pieces of
-    ``epi_cols`` inputs (``None``: the whole ``bk``). The epilogue holds every accumulator while it sweeps, so its
-    sweep works on pieces narrower than the accumulators where their registers leave little room: at ``bk`` 32, 9
-    accumulators take 144 registers a thread."""
+    ``epi_cols`` inputs (at most 16, dividing ``bk``). The epilogue holds every accumulator while it sweeps, so its
+    sweep works on pieces narrower than the accumulators: at ``bk`` 32, 9 accumulators take 144 registers a thread,
+    and the sweep over all 32 inputs beside them took 23,300 cycles a tile against 2 x 3,400 in pieces of 16 (G=5,
+    k=3, B 16384, 512 -> 512 on an H100: ``python -m jaxgrad.bench kan_trace``)."""
 
     bk: int = 32
     tile_o: int = 64
     stages: int = 3
     max_group: int = 9
-    epi_cols: int | None = 16
+    epi_cols: int = 16
 
     @property
     def piece(self) -> int:
         """Inputs of one epilogue piece."""
-        return min(self.epi_cols or self.bk, self.bk)
+        return min(self.epi_cols, self.bk)
+
+    def __post_init__(self):
+        if not (0 < self.epi_cols <= 16 and self.bk % min(self.epi_cols, self.bk) == 0):
+            raise ValueError(f"DxTiles: epi_cols must divide bk = {self.bk} and be at most 16, got {self.epi_cols}")
 
     @classmethod
     def for_layer(cls, nb: int) -> DxTiles:
