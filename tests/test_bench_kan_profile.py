@@ -31,3 +31,17 @@ def test_a_name_that_is_not_a_layer_variant_is_refused_naming_the_variants(capsy
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--variants: ['nosuch'] are not layer variants here" in err
     assert "'xla custom_vjp'" in err
+
+
+def test_idle_gaps_are_the_gpus_waits_before_each_op_per_step():
+    from jaxgrad.bench.hlo_profile import KernelEvent, idle_gaps, parse_hlo
+
+    mod = parse_hlo("HloModule m\n\nENTRY e {\n  ROOT p = f32[] parameter(0)\n}\n")
+    # two steps of a, b, c; b starts 10 us after a ends, c overlaps b (no gap), a waits 40 us for the next step
+    events = [KernelEvent("a", "ka", 20.0, 0.0), KernelEvent("b", "kb", 30.0, 30.0),
+              KernelEvent("c", "kc", 10.0, 50.0), KernelEvent("a", "ka", 20.0, 100.0),
+              KernelEvent("b", "kb", 30.0, 130.0), KernelEvent("c", "kc", 10.0, 150.0)]
+    gaps = dict(idle_gaps(events, mod, steps=2))
+    assert gaps["b"] == 0.010  # ms per step
+    assert gaps["a"] == 0.020  # one 40 us wait over two steps
+    assert "c" not in gaps

@@ -104,6 +104,7 @@ def environment() -> dict[str, Any]:
         "matmul_precision": _matmul_precision_label(dev.platform),
         "hostname": socket.gethostname(),
         "machine": platform.machine(),
+        "xla_flags": os.environ.get("XLA_FLAGS") or None,
         **provenance(),
     }
     try:  # which Pallas backend the kernels compile to (interpret mode off-GPU)

@@ -355,7 +355,8 @@ def format_table(rows: Sequence[Row], env: Mapping[str, Any] | None = None) -> s
         f"host {env.get('hostname')}, {env.get('datetime_utc')}",
         f"# jax {env.get('jax')}, jaxlib {env.get('jaxlib')}, cuda plugin {env.get('cuda_plugin')}, "
         f"python {env.get('python')}",
-        f"# matmul precision: {env.get('matmul_precision')}; pallas: {env.get('pallas')}",
+        f"# matmul precision: {env.get('matmul_precision')}; pallas: {env.get('pallas')}"
+        + (f"; XLA_FLAGS: {env['xla_flags']}" if env.get("xla_flags") else ""),
         f"# commit {env.get('commit')} (uncommitted changes: {env.get('dirty')}); command: {env.get('command')}",
         "# floor = max(flops / peak FLOP/s, bytes_moved / HBM B/s); frac = floor / median; "
         "memory in MiB (compiled = arg+out+temp of the variant; peak = process-wide high-water mark)",

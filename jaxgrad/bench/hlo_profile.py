@@ -548,7 +548,29 @@ def trace_summary(events: list[dict]) -> str:
                      for k, n in sorted(count.items(), key=lambda kv: str(kv[0])))
 
 
+def idle_gaps(events: list[KernelEvent], mod: HloModule, steps: int) -> list[tuple[str, float]]:
+    """The GPU's idle time per step before each op, largest first: for each kernel (in start order) the time since
+    every earlier kernel ended, attributed to the kernel's op. The gap before a step's first op includes the host's
+    time between steps; gaps before the other ops are launch latency (a kernel launched after the one before it
+    ended) or host work between them."""
+    gaps: collections.Counter = collections.Counter()
+    end = None
+    for ev in sorted(events, key=lambda e: e.ts):
+        if end is not None and ev.ts > end:
+            ins = None if ev.op else mod.lookup(ev.kernel)
+            gaps[ev.op or (ins.name if ins else f"[{ev.kernel}]")] += (ev.ts - end) / 1e3 / steps
+        end = ev.ts + ev.dur_us if end is None else max(end, ev.ts + ev.dur_us)
+    return gaps.most_common()
+
+
 def analyse(trace_path, hlo_text: str, steps: int) -> tuple[list[OpRow], str, HloModule]:
     mod = parse_hlo(hlo_text)
     events, which = device_events(load_events(trace_path), mod.name)
     return aggregate(events, mod, steps), which, mod
+
+
+def analyse_with_gaps(trace_path, hlo_text: str, steps: int) -> tuple[list[OpRow], str, list[tuple[str, float]]]:
+    """:func:`analyse`'s rows and event source, and :func:`idle_gaps` of the same events."""
+    mod = parse_hlo(hlo_text)
+    events, which = device_events(load_events(trace_path), mod.name)
+    return aggregate(events, mod, steps), which, idle_gaps(events, mod, steps)

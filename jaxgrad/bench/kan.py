@@ -242,12 +242,6 @@ def _dcoef_variants(nb: int | None = None) -> dict[str, Callable]:
     # the row maxima alone, which the Mosaic kernels' scales come from
     out["dC row maxima, xla (chunks of 2048 rows)"] = jax.jit(on_f32(left_maxima, with_g=False))
     out["dC row maxima, sweep kernel"] = jax.jit(on_f32(bspline_basis_maxima, with_g=False))
-    # the default fills an H100 twice over with programs (264, about 2 of 4 warps an SM): more programs, more warps
-    # to hide the sweep's latencies
-    for times in (4, 16):
-        out[f"dC row maxima, sweep kernel, {times}x the programs"] = jax.jit(on_f32(
-            lambda x, grid, k, times=times: bspline_basis_maxima(x, grid, k, chunks=times * -(-264 // -(
-                -x.shape[1] // 32))), with_g=False))
     out["xla dC fp16_scaled"] = jax.jit(xla)
     return out
 

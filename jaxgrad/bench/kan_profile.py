@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 
-from jaxgrad.bench.hlo_profile import analyse, find_trace
+from jaxgrad.bench.hlo_profile import analyse_with_gaps, find_trace
 from jaxgrad.bench.lora_profile import DEFAULT_OUT, NO_COMMAND_BUFFERS, rows_json, variant_table
 
 DEFAULT_VARIANTS = ("xla custom_vjp fp16_scaled", "mosaic")
@@ -68,10 +68,10 @@ def profile_variant(name: str, fn, args, *, steps: int, warmup: int, repeats: in
         for _ in range(steps):
             jax.block_until_ready(exe(*args))
     trace = find_trace(trace_dir)
-    rows, which, _ = analyse(trace, exe.as_text(), steps)
+    rows, which, gaps = analyse_with_gaps(trace, exe.as_text(), steps)
     meta = {"name": name, "steps": steps, "median_ms": timing["median_ms"], "p10_ms": timing["p10_ms"],
             "p90_ms": timing["p90_ms"], "profiled_median_ms": profiled["median_ms"], "profiled_with": how,
-            "events_from": which}
+            "events_from": which, "idle_gaps": [[op, ms] for op, ms in gaps[:12]]}
     return {"name": name, "rows": rows, "meta": meta}
 
 

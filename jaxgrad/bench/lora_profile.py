@@ -71,6 +71,8 @@ def variant_table(name: str, rows: list[OpRow], meta: dict, top: int = 40) -> st
                  f"{_f(None if wall_p is None else wall_p - busy)} ms; sum of op floors {floor:.3f} ms "
                  f"(the model's FLOP floor is separate: see header)")
     lines.append(f"events: {meta.get('events_from', '?')}")
+    if meta.get("idle_gaps"):
+        lines.append("GPU idle per step before: " + ", ".join(f"{op} {ms:.3f} ms" for op, ms in meta["idle_gaps"]))
     # by category
     cats: dict[str, list[OpRow]] = collections.defaultdict(list)
     for r in rows:
