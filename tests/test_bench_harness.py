@@ -28,11 +28,30 @@ def tiny():
 def test_time_fn_sane(tiny):
     fn, args = tiny
     t = bm.time_fn(fn, *args, warmup=1, repeats=5)
-    assert set(t) == {"median_ms", "p10_ms", "p90_ms", "min_ms", "repeats"}
+    assert set(t) == {"median_ms", "p10_ms", "p90_ms", "min_ms", "loop_ms", "repeats"}
     assert t["repeats"] == 5
     assert 0 < t["min_ms"] <= t["p10_ms"] <= t["median_ms"] <= t["p90_ms"] < 1e4
+    assert 0 < t["loop_ms"] < 1e4  # back-to-back calls: one wait for all of them
     with pytest.raises(ValueError):
         bm.time_fn(fn, *args, repeats=0)
+
+
+def test_the_loop_time_overlaps_each_calls_host_work_with_the_calls_before_it():
+    # a call whose host work (here a sleep before dispatch) takes longer than nothing: back to back on a CPU the
+    # calls still run one after the other, so the loop time is not below the host work; what the loop time leaves
+    # out is only the wait for each result, which this checks is counted once
+    import time as _time
+
+    waits = []
+
+    def fn(x):
+        waits.append(1)
+        _time.sleep(0.002)
+        return x + 1
+
+    t = bm.time_fn(fn, jnp.ones(4), warmup=0, repeats=4)
+    assert len(waits) == 8  # 4 timed one at a time, 4 back to back
+    assert t["loop_ms"] >= 2.0
 
 
 def test_memory_of_ints(tiny):

@@ -33,7 +33,7 @@ def compile_and_time(row: bm.Row, fn, args: tuple, *, warmup: int, repeats: int)
     peak_compile = bm.device_peak_bytes()
     timing = bm.time_fn(compiled, *args, warmup=warmup, repeats=repeats)
     row.median_ms, row.p10_ms, row.p90_ms = timing["median_ms"], timing["p10_ms"], timing["p90_ms"]
-    row.min_ms, row.repeats = timing["min_ms"], timing["repeats"]
+    row.min_ms, row.loop_ms, row.repeats = timing["min_ms"], timing.get("loop_ms"), timing["repeats"]
     row.peak_bytes = bm.device_peak_bytes()
     return compiled, peak_compile
 

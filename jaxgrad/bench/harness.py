@@ -88,10 +88,13 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 3, repeats: int = 
     """Wall-clock time of ``fn(*args)`` in milliseconds, waiting for every output (``jax.block_until_ready``).
 
     ``fn`` should be jitted (or a ``Compiled``); the first ``warmup`` calls (compilation, autotuning, caches) are
-    not timed. Each of the ``repeats`` timed calls includes Python dispatch, which is microseconds.
+    not timed. Each of the ``repeats`` timed calls includes the host's work to launch it (Python dispatch and the
+    executable's launches, which the GPU waits for: the latency of one call). ``loop_ms`` is the mean time of a
+    call when ``repeats`` calls are dispatched back to back and waited for once, as a training loop that does not
+    wait for each step runs them: each call's host work overlaps the GPU work of the calls before it.
 
     Returns:
-      ``median_ms``, ``p10_ms``, ``p90_ms``, ``min_ms`` and ``repeats``.
+      ``median_ms``, ``p10_ms``, ``p90_ms``, ``min_ms``, ``loop_ms`` and ``repeats``.
     """
     if repeats < 1:
         raise ValueError(f"time_fn: repeats must be >= 1, got {repeats}")
@@ -103,11 +106,17 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 3, repeats: int = 
         jax.block_until_ready(fn(*args))
         times[i] = time.perf_counter() - t0
     ms = times * 1e3
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(repeats)]
+    jax.block_until_ready(outs)
+    loop_ms = (time.perf_counter() - t0) * 1e3 / repeats
+    del outs
     return {
         "median_ms": float(np.median(ms)),
         "p10_ms": float(np.percentile(ms, 10)),
         "p90_ms": float(np.percentile(ms, 90)),
         "min_ms": float(ms.min()),
+        "loop_ms": float(loop_ms),
         "repeats": int(repeats),
     }
 
@@ -189,6 +198,7 @@ class Row:
     p10_ms: float | None = None
     p90_ms: float | None = None
     min_ms: float | None = None
+    loop_ms: float | None = None  # per call, dispatched back to back (time_fn)
     repeats: int = 0
     compile_ms: float | None = None
     argument_bytes: int | None = None
@@ -314,7 +324,7 @@ def run_variants(
             row.compiled_bytes = mem["total_bytes"]
             timing = time_fn(compiled, *args, warmup=warmup, repeats=repeats)
             row.median_ms, row.p10_ms, row.p90_ms = timing["median_ms"], timing["p10_ms"], timing["p90_ms"]
-            row.min_ms, row.repeats = timing["min_ms"], timing["repeats"]
+            row.min_ms, row.loop_ms, row.repeats = timing["min_ms"], timing["loop_ms"], timing["repeats"]
             row.peak_bytes = device_peak_bytes()
             if row.floor_ms is not None and row.median_ms:
                 row.achieved_fraction = row.floor_ms / row.median_ms
@@ -358,19 +368,20 @@ def format_table(rows: Sequence[Row], env: Mapping[str, Any] | None = None) -> s
         f"# matmul precision: {env.get('matmul_precision')}; pallas: {env.get('pallas')}"
         + (f"; XLA_FLAGS: {env['xla_flags']}" if env.get("xla_flags") else ""),
         f"# commit {env.get('commit')} (uncommitted changes: {env.get('dirty')}); command: {env.get('command')}",
-        "# floor = max(flops / peak FLOP/s, bytes_moved / HBM B/s); frac = floor / median; "
+        "# loop_ms = a call's time when the calls are dispatched back to back (a training loop that does not wait "
+        "for each step); floor = max(flops / peak FLOP/s, bytes_moved / HBM B/s); frac = floor / median; "
         "memory in MiB (compiled = arg+out+temp of the variant; peak = process-wide high-water mark)",
     ]
-    cols = ["suite", "variant", "sizes", "dtype", "prec", "median_ms", "p10_ms", "p90_ms", "floor_ms", "frac",
-            "compiled_MiB", "temp_MiB", "peak_MiB", "notes"]
+    cols = ["suite", "variant", "sizes", "dtype", "prec", "median_ms", "p10_ms", "p90_ms", "loop_ms", "floor_ms",
+            "frac", "compiled_MiB", "temp_MiB", "peak_MiB", "notes"]
     body = [
         [r.suite, r.variant, _fmt_sizes(r.sizes), r.dtype, r.precision, _fmt(r.median_ms), _fmt(r.p10_ms),
-         _fmt(r.p90_ms), _fmt(r.floor_ms), _fmt(r.achieved_fraction, ".2f"), _mib(r.compiled_bytes),
-         _mib(r.temp_bytes), _mib(r.peak_bytes), r.notes]
+         _fmt(r.p90_ms), _fmt(r.loop_ms), _fmt(r.floor_ms), _fmt(r.achieved_fraction, ".2f"),
+         _mib(r.compiled_bytes), _mib(r.temp_bytes), _mib(r.peak_bytes), r.notes]
         for r in rows
     ]
     widths = [max(len(c), *(len(line[i]) for line in body)) if body else len(c) for i, c in enumerate(cols)]
-    numeric = set(range(5, 13))
+    numeric = set(range(5, 14))
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
