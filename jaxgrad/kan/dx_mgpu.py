@@ -22,7 +22,8 @@ multiplies each accumulator by :math:`2^{-t_{mi}} D_m(x_{bi})` (a power of two p
 and the block's ``NB + 1`` slabs by TMA; each compute warpgroup issues one ``wgmma`` per slab and step. In the
 epilogue it brings in its ``x`` rows, the block's knot tables and the column factors, runs the diagonal Cox-de Boor
 sweep of degree ``k - 1`` of :mod:`jaxgrad.kan.basis_tiles` in its affine form (``B'_m = k (B^{k-1}_m w^{-1}_{k,m} -
-B^{k-1}_{m+1} w^{-1}_{k,m+1})``) and forms the sum. Where the ``NB + 1`` accumulators do not fit the registers, the
+B^{k-1}_{m+1} w^{-1}_{k,m+1})``) and forms the sum, ``epi_cols`` inputs at a time (:class:`DxTiles`: the sweep at
+the accumulators' full width spilled). Where the ``NB + 1`` accumulators do not fit the registers, the
 bases are split into groups of at most ``max_group`` and each group is one kernel call; XLA adds their sums.
 
 Scope: float32; shapes padded to the tiles (zero rows of ``g`` and zero slab rows and columns add exact zeros). It
