@@ -25,8 +25,9 @@ thread each), and waits for them before its next step. A tile is written again t
 warpgroups passed the other tile's barrier, so after both waited for their products on it; a chunk of the batch
 has an even number of steps (:meth:`WideTiles.batch_multiple`) so that this holds across output tiles too. Sharing
 the sweep took the weight gradients from 0.91 to 0.69 ms (G=5, k=3 on an H100, one run; ``shared_sweep=False``
-keeps a sweep of every basis per warpgroup, into its own tile, for comparison). Both operands take the 32-byte swizzle of a 16-element K group: a right operand stored ``[K, N]`` takes the
-swizzle of its K width, and ``N = (NB+1) bi`` is a multiple of 16, not of 64.
+keeps a sweep of every basis per warpgroup, into its own tile, for comparison). Both operands take the 32-byte
+swizzle of a 16-element K group: a right operand stored ``[K, N]`` takes the swizzle of its K width, and ``N =
+(NB+1) bi`` is a multiple of 16, not of 64.
 
 Scope, scaling, padding and error model: those of :mod:`jaxgrad.kan.dcoef_mgpu` (its exponents ``u``, ``t``;
 padded batch rows repeat the last row against zero rows of ``g``; padded inputs have zero knot tables, so zero
@@ -41,8 +42,9 @@ on ``k + 1`` intervals only), so the groups share the sweep's work instead of re
 
 **Tiles** (:meth:`WideTiles.resolved`). Two row blocks a warpgroup hold ``2 x cnt bi / 2`` accumulator registers
 a thread for a group of ``cnt`` rows (144 at G=5, k=3); where that exceeds :data:`ACC_REGISTERS` one row block is
-used (128 outputs a CTA, twice the sweeps). The batch is split so that the SMs share the work evenly: a 512 -> 512 layer has 32 x 2 tiles of 256
-outputs, 128 work items in two chunks (1.04 ms on an H100 against 1.52 unsplit, with the row maxima).
+used (128 outputs a CTA, twice the sweeps). The batch is split so that the SMs share the work evenly: a 512 -> 512
+layer has 32 x 2 tiles of 256 outputs, 128 work items in two chunks (1.04 ms on an H100 against 1.52 unsplit, with
+the row maxima).
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ _ROWS = 64  # outputs per wgmma row block, and batch rows per step (the register
 
 
 #: accumulator registers a thread may hold: ``rb`` row blocks of ``[64, cnt bi]`` float32 (a group of ``cnt`` bases)
-#: take ``rb cnt bi / 2`` of them, beside the sweep's working tiles (G=5, k=3: 2 x 72 = 144 ran at 1.04 ms on an H100, B 16384, 512 -> 512;
-#: G=5, k=5: 2 x 88 = 176 spilled, 9.9 ms against 2.9 with one row block; ``kan-...-20261127-192008.json``)
+#: take ``rb cnt bi / 2`` of them, beside the sweep's working tiles (G=5, k=3: 2 x 72 = 144 ran at 1.04 ms on an
+#: H100, B 16384, 512 -> 512; G=5, k=5: 2 x 88 = 176 spilled, 9.9 ms against 2.9 with one row block;
+#: ``kan-...-20261127-192008.json``)
 ACC_REGISTERS = 144
 
 

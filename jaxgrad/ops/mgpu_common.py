@@ -89,8 +89,9 @@ def kernel_traces(directory: str, regions: int = 256):
     stamped with the SM's clock, written to ``directory`` as a Chrome trace (``*-trace.json``) when the kernel returns.
 
     The trace lives in shared memory (16 bytes a region and warpgroup: ``48 regions`` bytes a CTA of three
-    warpgroups) until the kernel ends, so a kernel whose stages fill shared memory may no longer fit. JAX's compilation caches are cleared on entry and on
-    exit: kernels compiled outside the block record nothing, and the traced ones are not reused after it."""
+    warpgroups) until the kernel ends, so a kernel whose stages fill shared memory may no longer fit. JAX's
+    compilation caches are cleared on entry and on exit: kernels compiled outside the block record nothing, and the
+    traced ones are not reused after it."""
     import jax
 
     global _TRACES
