@@ -37,6 +37,7 @@ tensor-core precision use the BF16 peak. On CPU or an unknown device every floor
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -84,14 +85,18 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------------
 # Timing and memory
 # ---------------------------------------------------------------------------------------------------------------
+_IN_FLIGHT = 2  # calls dispatched ahead of the one loop_ms waits for: a training loop's overlap, bounded memory
+
+
 def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 3, repeats: int = 20) -> dict[str, float | int]:
     """Wall-clock time of ``fn(*args)`` in milliseconds, waiting for every output (``jax.block_until_ready``).
 
     ``fn`` should be jitted (or a ``Compiled``); the first ``warmup`` calls (compilation, autotuning, caches) are
     not timed. Each of the ``repeats`` timed calls includes the host's work to launch it (Python dispatch and the
     executable's launches, which the GPU waits for: the latency of one call). ``loop_ms`` is the mean time of a
-    call when ``repeats`` calls are dispatched back to back and waited for once, as a training loop that does not
-    wait for each step runs them: each call's host work overlaps the GPU work of the calls before it.
+    call when ``repeats`` calls are dispatched back to back, as a training loop that does not wait for each step
+    runs them: each call's host work overlaps the GPU work of the calls before it. At most ``_IN_FLIGHT`` calls run
+    ahead of the oldest one not yet waited for, so that as few outputs are alive at once as in such a loop.
 
     Returns:
       ``median_ms``, ``p10_ms``, ``p90_ms``, ``min_ms``, ``loop_ms`` and ``repeats``.
@@ -106,11 +111,16 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 3, repeats: int = 
         jax.block_until_ready(fn(*args))
         times[i] = time.perf_counter() - t0
     ms = times * 1e3
+    # back to back, at most _IN_FLIGHT calls ahead of the one waited for (their outputs are alive together)
     t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(repeats)]
-    jax.block_until_ready(outs)
+    pending: collections.deque = collections.deque()
+    for _ in range(repeats):
+        pending.append(fn(*args))
+        if len(pending) > _IN_FLIGHT:
+            jax.block_until_ready(pending.popleft())
+    jax.block_until_ready(list(pending))
     loop_ms = (time.perf_counter() - t0) * 1e3 / repeats
-    del outs
+    del pending
     return {
         "median_ms": float(np.median(ms)),
         "p10_ms": float(np.percentile(ms, 10)),
