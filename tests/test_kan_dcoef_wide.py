@@ -57,13 +57,11 @@ def test_the_operands_and_the_output_arrangement_give_the_scaled_reference(monke
     (129, 17, 520, 3, 5),
     (65, 40, 70, 20, 3),
 ])
-@pytest.mark.parametrize("shared_sweep", [True, False])
-def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out_f, grid_size, order, shared_sweep):
+def test_the_kernel_lowers_for_hopper_at_odd_sizes(monkeypatch, batch, in_f, out_f, grid_size, order):
     monkeypatch.setattr(W, "_num_sms", lambda: 132)
     sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     args = (sd(batch, in_f), sd(in_f, grid_size + 2 * order + 1), sd(batch, out_f))
-    fn = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order,
-                                   config=W.WideTiles(shared_sweep=shared_sweep)))
+    fn = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=order))
     assert jax.eval_shape(fn, *args).shape == (grid_size + order + 1, in_f, out_f)
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -103,6 +101,14 @@ def test_the_layers_weight_gradients_take_the_wide_kernel_at_any_grid(monkeypatc
         dc, dwb = W.kan_weight_cotangents(_x(0, 9, 6), grid, _cotangent(1, 9, 4), 3)
         assert dc.shape == (4, 6, grid_size + 3) and dwb.shape == (4, 6)
     assert called == [12, 27]
+
+
+def test_the_kernel_without_a_shared_sweep_lowers_for_hopper(monkeypatch):
+    monkeypatch.setattr(W, "_num_sms", lambda: 132)
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    fn = jax.jit(functools.partial(W.kan_dcoef_wide_mgpu, spline_order=3,
+                                   config=W.WideTiles(shared_sweep=False)))
+    assert "mosaic_gpu" in fn.trace(sd(65, 40), sd(40, 47), sd(65, 70)).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_the_warpgroups_share_a_groups_sweep_in_two_halves_of_equal_work():
